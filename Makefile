@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make export` (the main job) and `make test`.
+# Each creates the virtual environment and installs the project on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: export test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+export: $(STAMP)
+	$(BIN)/python -m codegen export $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q $(ARGS)

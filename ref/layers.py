@@ -1,0 +1,47 @@
+"""Small pure layers shared by the Gemma 4 vision tower and text model.
+
+Weights keep the Hugging Face `[out, in]` layout so a checkpoint loads without transposes.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, weight=None, eps=1e-6):
+    """Gemma 4 RMSNorm in float32: `x · (mean(x²) + eps)^-0.5 · w` (no `1 + w`).
+
+    x: [..., D]; weight: [D] or None (no scale). Returns x's dtype.
+    """
+    xf = x.astype(jnp.float32)
+    normed = xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.astype(jnp.float32)
+    return normed.astype(x.dtype)
+
+
+def linear(x, weight):
+    """Bias-free linear with an HF weight. x: [..., in]; weight: [out, in] → [..., out]."""
+    return jnp.matmul(x, weight.astype(x.dtype).T)
+
+
+def clipped_linear(x, weight, bounds=None):
+    """Clamp input, linear, clamp output (Gemma4ClippableLinear).
+
+    x: [..., in]; weight: [out, in]; bounds: None (unclipped) or
+    `(input_min, input_max, output_min, output_max)` scalars → [..., out].
+    """
+    if bounds is None:
+        return linear(x, weight)
+    in_min, in_max, out_min, out_max = (jnp.asarray(b, x.dtype) for b in bounds)
+    y = linear(jnp.clip(x, in_min, in_max), weight)
+    return jnp.clip(y, out_min, out_max)
+
+
+def gelu_tanh(x):
+    """GELU with the tanh approximation (`gelu_pytorch_tanh`); exact erf differs by ~1e-4."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gated_mlp(x, gate, up, down):
+    """`down(gelu_tanh(gate(x)) · up(x))`; gate/up/down are callables [..., a] → [..., b]."""
+    return down(gelu_tanh(gate(x)) * up(x))

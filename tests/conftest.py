@@ -1,0 +1,21 @@
+"""Test-wide settings: float64 available for the dense references, hypothesis profiles."""
+
+import os
+
+import jax
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_enable_x64", True)
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "long",
+    parent=settings.get_profile("default"),
+    max_examples=2000,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
