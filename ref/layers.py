@@ -8,14 +8,16 @@ import jax.numpy as jnp
 
 
 def rms_norm(x, weight=None, eps=1e-6):
-    """Gemma 4 RMSNorm in float32: `x · (mean(x²) + eps)^-0.5 · w` (no `1 + w`).
+    """Gemma 4 RMSNorm in (at least) float32: `x · (mean(x²) + eps)^-0.5 · w` (no `1 + w`).
 
     x: [..., D]; weight: [D] or None (no scale). Returns x's dtype.
     """
-    xf = x.astype(jnp.float32)
-    normed = xf * jnp.power(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps, -0.5)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xf = x.astype(acc)
+    # rsqrt, not power(·, -0.5): jax2onnx 0.17.1's Pow cannot trace a symbolic batch axis.
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     if weight is not None:
-        normed = normed * weight.astype(jnp.float32)
+        normed = normed * weight.astype(acc)
     return normed.astype(x.dtype)
 
 
