@@ -1,0 +1,34 @@
+"""Hugging Face checkpoints (config.json + safetensors, sharded or not), read lazily.
+
+Headers are indexed first and validated as untrusted input; tensors are memory-mapped
+one at a time; parameter trees keep the checkpoint's own names, split on ".".
+"""
+
+from weights.checkpoint import Checkpoint, load_checkpoint, open_checkpoint, save_checkpoint
+from weights.errors import CheckpointError
+from weights.safetensors import (
+    DTYPES,
+    TensorInfo,
+    dtype_code,
+    numpy_dtype,
+    read_header,
+    read_metadata,
+    read_tensor,
+    write_safetensors,
+)
+
+__all__ = [
+    "DTYPES",
+    "Checkpoint",
+    "CheckpointError",
+    "TensorInfo",
+    "dtype_code",
+    "load_checkpoint",
+    "numpy_dtype",
+    "open_checkpoint",
+    "read_header",
+    "read_metadata",
+    "read_tensor",
+    "save_checkpoint",
+    "write_safetensors",
+]

@@ -1,0 +1,368 @@
+"""Safetensors files read header-first: validated index, byte offsets, lazy per-tensor reads.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of UTF-8 JSON
+(`{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}`),
+then the data section, which the tensors must tile exactly: sorted by offset, each begins
+where the previous ends and the last ends at the end of the file. The header is
+untrusted input, so every field is checked before any offset is used.
+"""
+
+import json
+import math
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from weights.errors import CheckpointError
+
+# The reference implementation refuses headers above this size; so do we.
+MAX_HEADER_BYTES = 100_000_000
+# numpy arrays have at most this many axes.
+MAX_NDIM = 64
+MAX_DIM = 2**63 - 1
+
+# dtype code -> (bits per element, numpy dtype or None for sub-byte codes numpy cannot lay out).
+DTYPES: dict[str, tuple[int, np.dtype | None]] = {
+    "BOOL": (8, np.dtype(np.bool_)),
+    "F4": (4, None),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
+    "U8": (8, np.dtype("u1")),
+    "I8": (8, np.dtype("i1")),
+    "F8_E5M2": (8, np.dtype(ml_dtypes.float8_e5m2)),
+    "F8_E4M3": (8, np.dtype(ml_dtypes.float8_e4m3fn)),
+    "F8_E8M0": (8, np.dtype(ml_dtypes.float8_e8m0fnu)),
+    "F8_E4M3FNUZ": (8, np.dtype(ml_dtypes.float8_e4m3fnuz)),
+    "F8_E5M2FNUZ": (8, np.dtype(ml_dtypes.float8_e5m2fnuz)),
+    "I16": (16, np.dtype("<i2")),
+    "U16": (16, np.dtype("<u2")),
+    "F16": (16, np.dtype("<f2")),
+    "BF16": (16, np.dtype(ml_dtypes.bfloat16)),
+    "I32": (32, np.dtype("<i4")),
+    "U32": (32, np.dtype("<u4")),
+    "F32": (32, np.dtype("<f4")),
+    "C64": (64, np.dtype("<c8")),
+    "F64": (64, np.dtype("<f8")),
+    "I64": (64, np.dtype("<i8")),
+    "U64": (64, np.dtype("<u8")),
+}
+_CODES = {dt: code for code, (_, dt) in DTYPES.items() if dt is not None}
+
+
+def _why_not(code: str) -> str:
+    if code not in DTYPES:
+        return f"unknown safetensors dtype; expected one of {list(DTYPES)}"
+    return f"it packs {DTYPES[code][0]}-bit values, which numpy cannot lay out"
+
+
+def numpy_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code ("BF16" -> ml_dtypes.bfloat16).
+
+    Sub-byte codes (F4, F6_*) raise: their bytes are still indexed (offset, nbytes).
+    """
+    dt = DTYPES.get(code, (0, None))[1]
+    if dt is None:
+        raise CheckpointError(f"dtype {code!r}: {_why_not(code)}")
+    return dt
+
+
+def dtype_code(dtype: np.dtype) -> str:
+    """The safetensors dtype code of a numpy dtype (either byte order)."""
+    dt = np.dtype(dtype)
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("<")
+    if dt not in _CODES:
+        raise TypeError(f"numpy dtype {dtype} has no safetensors code; supported: {list(_CODES)}")
+    return _CODES[dt]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: `offset` is absolute in `file` (8 + N + data_offsets[0])."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+
+def _fail(path, message: str, tensor: str | None = None):
+    where = f"{path}" if tensor is None else f"{path}: tensor {tensor!r}"
+    raise CheckpointError(f"{where}: {message}")
+
+
+def open_regular(path: Path):
+    """Open `path` for binary reading, refusing anything but a regular file.
+
+    O_NONBLOCK keeps a FIFO from blocking the open; regular files ignore it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        kind = "a broken symbolic link" if os.path.islink(path) else "missing"
+        _fail(path, f"file is {kind}")
+    except OSError as e:
+        _fail(path, f"cannot open: {e.strerror}")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _fail(path, "not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"duplicate key {dup!r}")
+    return dict(pairs)
+
+
+def parse_json(path, raw: bytes, what: str):
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys (which copy wins is ambiguous)."""
+    try:
+        return json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys,
+            parse_constant=_reject_constant,
+        )
+    except UnicodeDecodeError as e:
+        _fail(path, f"{what} is not UTF-8 ({e.reason} at byte {e.start})")
+    except RecursionError:
+        _fail(path, f"{what} nests too deeply")
+    except ValueError as e:
+        _fail(path, f"{what} is not valid JSON: {e}")
+
+
+def _is_uint(x, limit: int) -> bool:
+    return type(x) is int and 0 <= x <= limit
+
+
+def _valid_text(s) -> bool:
+    """A str that UTF-8 can encode (JSON escapes can smuggle in lone surrogates)."""
+    if not isinstance(s, str):
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _byte_length(path, name: str, code: str, shape: tuple[int, ...], stored: int) -> int:
+    """dtype x shape in bytes, checked against the stored length without building huge ints."""
+    bits = DTYPES[code][0]
+    nelem = 0 if 0 in shape else 1
+    for d in shape:
+        nelem *= d
+        if nelem * bits > 8 * stored:
+            _fail(
+                path,
+                f"{code} shape {list(shape)} needs more than the {stored} bytes data_offsets span",
+                name,
+            )
+    if nelem * bits % 8:
+        _fail(path, f"{code} shape {list(shape)} is not a whole number of bytes", name)
+    if nelem * bits != 8 * stored:
+        _fail(
+            path,
+            f"data_offsets span {stored} bytes; {code} {list(shape)} needs {nelem * bits // 8}",
+            name,
+        )
+    return stored
+
+
+def _entry(path, name, entry) -> tuple[str, tuple[int, ...], int, int]:
+    """Validate one header entry -> (dtype, shape, begin, end)."""
+    if not _valid_text(name):
+        _fail(path, "tensor name is not valid Unicode text", repr(name))
+    if not isinstance(entry, dict):
+        _fail(path, f"entry must be an object, got {type(entry).__name__}", name)
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            _fail(path, f"entry has no {key!r}", name)
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(code, str) or code not in DTYPES:
+        _fail(path, f"unknown dtype {code!r}; expected one of {list(DTYPES)}", name)
+    if not isinstance(shape, list) or not all(_is_uint(d, MAX_DIM) for d in shape):
+        _fail(path, f"shape must be a list of integers in [0, 2**63), got {shape!r:.200}", name)
+    if len(shape) > MAX_NDIM:
+        _fail(path, f"shape has {len(shape)} dimensions; at most {MAX_NDIM} are supported", name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_uint(o, 2**64 - 1) for o in offsets)
+    ):
+        _fail(path, f"data_offsets must be [begin, end] byte offsets, got {offsets!r:.200}", name)
+    begin, end = offsets
+    if end < begin:
+        _fail(path, f"data_offsets [{begin}, {end}] end before they begin", name)
+    return code, tuple(shape), begin, end
+
+
+def _open_header(path: Path) -> tuple[dict, int, int]:
+    """-> (parsed header, header length N, file size) after the length and JSON checks."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            _fail(path, f"file is {size} bytes, too short for the 8-byte header length")
+        n = int.from_bytes(f.read(8), "little")
+        if n > MAX_HEADER_BYTES:
+            _fail(path, f"header length {n} exceeds the format's limit of {MAX_HEADER_BYTES}")
+        if 8 + n > size:
+            _fail(path, f"header length {n} runs past the end of the {size}-byte file")
+        raw = f.read(n)
+    if len(raw) != n:
+        _fail(path, "file shrank while its header was read")
+    header = parse_json(path, raw, "header")
+    if not isinstance(header, dict):
+        _fail(path, f"header must be a JSON object, got {type(header).__name__}")
+    return header, n, size
+
+
+def read_header(path) -> dict[str, TensorInfo]:
+    """Index one safetensors file from its header alone, ordered by offset.
+
+    `path` is made absolute but symbolic links are kept, so `TensorInfo.file` stays
+    inside the folder it was found in. Raises CheckpointError naming the file and tensor.
+    """
+    return _read_file_header(path)[0]
+
+
+def read_metadata(path) -> dict[str, str]:
+    """The header's `__metadata__` (str -> str; empty if absent), validated like `read_header`."""
+    return _read_file_header(path)[1]
+
+
+def _read_file_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    path = Path(os.path.abspath(path))
+    header, n, size = _open_header(path)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(_valid_text(k) and _valid_text(v) for k, v in meta.items())
+    ):
+        _fail(path, f"__metadata__ must map strings to strings, got {meta!r:.200}")
+    entries = sorted(
+        ((_entry(path, name, e), name) for name, e in header.items()),
+        key=lambda t: (t[0][2], t[0][3], t[1]),
+    )
+    infos, covered, previous = {}, 0, None
+    for (code, shape, begin, end), name in entries:
+        if begin < covered:
+            _fail(path, f"data_offsets [{begin}, {end}] overlap tensor {previous!r}", name)
+        if begin > covered:
+            _fail(
+                path, f"gap of {begin - covered} bytes before data_offsets [{begin}, {end}]", name
+            )
+        _byte_length(path, name, code, shape, end - begin)
+        infos[name] = TensorInfo(name, path, code, shape, 8 + n + begin, end - begin)
+        covered, previous = end, name
+    if 8 + n + covered != size:
+        _fail(
+            path,
+            f"tensors cover {covered} bytes but the data after the header is {size - 8 - n} bytes",
+        )
+    return infos, meta or {}
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor, memory-mapped read-only: pages are read when touched, bit-exact."""
+    if DTYPES.get(info.dtype, (0, None))[1] is None:
+        _fail(
+            info.file,
+            f"cannot read dtype {info.dtype!r} as numpy: {_why_not(info.dtype)}",
+            info.name,
+        )
+    dt = info.np_dtype
+    want = math.prod(info.shape) * dt.itemsize
+    if info.nbytes != want or info.offset < 8:
+        _fail(
+            info.file,
+            f"TensorInfo holds {info.nbytes} bytes at {info.offset}, needs {want}",
+            info.name,
+        )
+    if want == 0:
+        return np.zeros(info.shape, dt)
+    with open_regular(info.file) as f:
+        size = os.fstat(f.fileno()).st_size
+        if info.offset + info.nbytes > size:
+            # Mapping past the end would fault (SIGBUS) on first touch.
+            _fail(
+                info.file, f"file is {size} bytes, shorter than when its header was read", info.name
+            )
+        return np.asarray(np.memmap(f, dtype=dt, mode="r", offset=info.offset, shape=info.shape))
+
+
+def _check_tensors(tensors: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for name, array in tensors.items():
+        if not _valid_text(name) or name == "__metadata__":
+            raise ValueError(
+                f"tensor name {name!r} must be a Unicode string other than __metadata__"
+            )
+        if not isinstance(array, np.ndarray | np.generic):
+            raise TypeError(f"tensor {name!r} must be a numpy array, got {type(array).__name__}")
+        dtype_code(array.dtype)
+        out[name] = np.asarray(array, array.dtype.newbyteorder("<"), order="C")
+    return out
+
+
+def atomic_write(path: Path, chunks) -> None:
+    """Write `chunks` (bytes-like) to a temporary sibling, fsync, then rename over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` (name -> numpy array, bf16/fp8 via ml_dtypes) as one safetensors file.
+
+    Like the reference writer, data is ordered by descending element size then name and
+    the header is space-padded to 8 bytes, so every tensor starts aligned to its element.
+    """
+    path = Path(path)
+    arrays = _check_tensors(tensors)
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(_valid_text(k) and _valid_text(v) for k, v in metadata.items())
+    ):
+        raise TypeError(f"metadata must map str to str, got {metadata!r:.200}")
+    order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
+    header: dict = {} if metadata is None else {"__metadata__": dict(metadata)}
+    begin = 0
+    for name in order:
+        a = arrays[name]
+        header[name] = {
+            "dtype": dtype_code(a.dtype),
+            "shape": list(a.shape),
+            "data_offsets": [begin, begin + a.nbytes],
+        }
+        begin += a.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    chunks = [len(raw).to_bytes(8, "little"), raw]
+    chunks += [arrays[name].reshape(-1).view(np.uint8) for name in order]
+    atomic_write(path, chunks)
