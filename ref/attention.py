@@ -1,9 +1,82 @@
-"""Masked softmax attention in the QAIC KV-cache layout.
+"""Masked softmax attention in the QAIC KV-cache layout: the dense reference and every blocked mode.
 
-`attend` is the one dense kernel every other function here reduces to.
+`attend` is the one dense kernel; `reference` is `attend` under the Gemma 4 `mask`; `blocked`
+computes the same numbers block by block with the online-softmax state (m, l, O) — row max,
+softmax denominator, unnormalized output — in Python-unrolled loops over static slices, so an
+export has no Loop op and one block's scores are all that is ever live.
+
+Inside, queries are grouped by kv head: `q [B, H, S, D]` is viewed as `[B, Hkv, g, S, D]`
+(kv head j serves query heads j·g … j·g+g−1), masks as `[B, 1 | Hkv, 1 | g, S, T]`.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
+
+from ref.blocking import BlockingConfig
+
+
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _grouped_mask(mask, b, hkv, g, s, t):
+    """A mask broadcastable to [B, H, S, T] as one broadcastable to [B, Hkv, g, S, T]."""
+    mask = jnp.asarray(mask)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    return jnp.broadcast_to(mask, (mask.shape[0], hkv * g, *mask.shape[2:])).reshape(
+        mask.shape[0], hkv, g, *mask.shape[2:]
+    )
+
+
+def _step(state, q, k, v, mask, *, scale, softcap):
+    """One online-softmax update of (m, l, O) with a KV block; `state` None starts afresh.
+
+    q: [B, Hkv, g, S, D]; k, v: [B, Hkv, Tb, D]; mask: bool broadcastable to
+    [B, Hkv, g, S, Tb]; state: (m, l [B, Hkv, g, S, 1], O [B, Hkv, g, S, D]) in float32 (float64
+    for float64 q). `m' = max(m, rowmax S)`, `p = exp(S − m')`, `l' = l·e^(m−m') + Σp`,
+    `O' = O·e^(m−m') + p·V`, with masked scores out of both max and sum: a row that has seen no
+    key keeps m = −inf, l = 0, O = 0.
+    """
+    acc = _acc_dtype(q.dtype)
+    kt = jnp.swapaxes(k.astype(q.dtype), -1, -2)[:, :, None]
+    scores = jnp.matmul(q, kt) * jnp.asarray(scale, q.dtype)
+    scores = scores.astype(acc)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m_new = jnp.max(scores, axis=-1, keepdims=True)
+    if state is not None:
+        m_new = jnp.maximum(state[0], m_new)
+    # A row with no visible key yet has m' = −inf; shifting by 0 keeps exp() finite there.
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - shift), 0.0)
+    pv = jnp.matmul(p.astype(q.dtype), v.astype(q.dtype)[:, :, None]).astype(acc)
+    l_new = jnp.sum(p, axis=-1, keepdims=True)
+    if state is None:
+        return m_new, l_new, pv
+    m, denom, o = state
+    alpha = jnp.exp(m - shift)
+    return m_new, denom * alpha + l_new, o * alpha + pv
+
+
+def _merge(states):
+    """Combine (m, l, O) states of disjoint KV pieces computed independently (head-parallel)."""
+    m_all = functools.reduce(jnp.maximum, [m for m, _, _ in states])
+    shift = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    weights = [jnp.exp(m - shift) for m, _, _ in states]
+    l_all = sum(w * denom for w, (_, denom, _) in zip(weights, states, strict=True))
+    o_all = sum(w * o for w, (_, _, o) in zip(weights, states, strict=True))
+    return m_all, l_all, o_all
+
+
+def _finish(state, dtype):
+    """O / l, zeros where no key was visible → [..., S, D] in dtype."""
+    _, denom, o = state
+    return (o / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
 
 
 def attend(q, k, v, mask, *, scale=1.0, softcap=None):
@@ -18,22 +91,9 @@ def attend(q, k, v, mask, *, scale=1.0, softcap=None):
     if h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
     g = h // hkv
-    t = k.shape[2]
-    qg = q.reshape(b, hkv, g * s, d)
-    kt = jnp.swapaxes(k.astype(q.dtype), -1, -2)
-    scores = jnp.matmul(qg, kt) * jnp.asarray(scale, q.dtype)
-    scores = scores.astype(jnp.promote_types(q.dtype, jnp.float32))
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    m = jnp.broadcast_to(mask, (b, h, s, t)).reshape(b, hkv, g * s, t)
-    scores = jnp.where(m, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(m, jnp.exp(scores - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.matmul(p.astype(q.dtype), v.astype(q.dtype))
-    return out.reshape(b, h, s, d)
+    m = _grouped_mask(mask, b, hkv, g, s, k.shape[2])
+    state = _step(None, q.reshape(b, hkv, g, s, d), k, v, m, scale=scale, softcap=softcap)
+    return _finish(state, q.dtype).reshape(b, h, s, d)
 
 
 def mask(q_pos, kv_pos, *, sliding_window=None, q_group=None, kv_group=None):
@@ -82,3 +142,174 @@ def reference(
     """
     m = mask(q_pos, kv_pos, sliding_window=sliding_window, q_group=q_group, kv_group=kv_group)
     return attend(q, k, v, m, scale=scale, softcap=softcap)
+
+
+def _cat(parts, axis):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+
+
+def _kv_loop(q, k, v, block_mask, plan, *, scale, softcap):
+    """Attention of one query block over the plan's KV blocks → normalized [B, Hkv, g, S, D].
+
+    q: [B, Hkv, g, S, D]; k, v: [B, Hkv, T, D]; block_mask(t0, t1): bool broadcastable to
+    [B, Hkv, g, S, t1 − t0]. Sequential plans carry (m, l, O) from block to block; parallel
+    (head-parallel) plans compute every block and piece from scratch and merge once.
+    """
+    step = functools.partial(_step, scale=scale, softcap=softcap)
+    state, finished = None, []
+    for t0, t1 in plan.kv:
+        m = block_mask(t0, t1)
+        if plan.parallel:
+            pieces = [
+                step(None, q, k[:, :, t0 + a : t0 + c], v[:, :, t0 + a : t0 + c], m[..., a:c])
+                for a, c in _pieces(t1 - t0, plan.split)
+            ]
+            new = _merge(pieces) if len(pieces) > 1 else pieces[0]
+            old = None
+        else:
+            new = step(state, q, k[:, :, t0:t1], v[:, :, t0:t1], m)
+            old = state
+        if plan.skip_kv:
+            # One flag per block (as QEfficient's skip_kv) so a compiler can branch on it; a
+            # block no query sees contributes nothing, so keeping the old state is exact.
+            skip = ~jnp.any(m)
+            old = old if old is not None else _empty(new)
+            new = tuple(jnp.where(skip, a, b) for a, b in zip(old, new, strict=True))
+        if plan.parallel:
+            finished.append(new)
+        else:
+            state = new
+    if plan.parallel:
+        state = _merge(finished) if len(finished) > 1 else finished[0]
+    return _finish(state, q.dtype)
+
+
+def _pieces(n, split):
+    """`split` near-equal pieces of `[0, n)` (ceil size, last one shorter, none empty)."""
+    size = -(-n // split)
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _empty(state):
+    """The state of a row that has seen no key: m = −inf, l = 0, O = 0."""
+    m, denom, o = state
+    return jnp.full_like(m, -jnp.inf), jnp.zeros_like(denom), jnp.zeros_like(o)
+
+
+def _blocked(q, k, v, q_pos, kv_pos, q_group, kv_group, plan, *, sliding_window, scale, softcap):
+    """`blocked` for one resolved plan on local arrays (see `blocked` for shapes)."""
+    b, h, s, d = q.shape
+    hkv = k.shape[1] // b if plan.batch_fold else k.shape[1]
+    g = h // hkv
+    q5 = q.reshape(b, hkv, g, s, d)
+    if plan.batch_fold:
+        q5 = q5.reshape(1, b * hkv, g, s, d)
+
+    def block_mask(b0, b1, kv0, kv1, q0, q1, t0, t1):
+        rows = slice(None) if plan.batch_fold else slice(b0, b1)
+        m = mask(
+            q_pos[rows, q0:q1],
+            kv_pos[rows, t0:t1],
+            sliding_window=sliding_window,
+            q_group=None if q_group is None else q_group[rows, q0:q1],
+            kv_group=None if kv_group is None else kv_group[rows, t0:t1],
+        )
+        if plan.batch_fold:
+            # Folded row b·Hkv + j carries batch row b's positions.
+            m = jnp.broadcast_to(m, (b, hkv, *m.shape[2:])).reshape(1, b * hkv, *m.shape[2:])
+            m = m[:, kv0:kv1]
+        return m[:, :, None]
+
+    out_b = []
+    for b0, b1 in plan.batch:
+        out_h = []
+        for kv0, kv1, reps in plan.heads:
+            kb, vb = k[b0:b1, kv0:kv1], v[b0:b1, kv0:kv1]
+            out_r = []
+            for r0, r1 in reps:
+                out_q = []
+                for q0, q1 in plan.q:
+                    block_fn = functools.partial(block_mask, b0, b1, kv0, kv1, q0, q1)
+                    qb = q5[b0:b1, kv0:kv1, r0:r1, q0:q1]
+                    out_q.append(_kv_loop(qb, kb, vb, block_fn, plan, scale=scale, softcap=softcap))
+                out_r.append(_cat(out_q, 3))
+            out_h.append(_cat(out_r, 2))
+        out_b.append(_cat(out_h, 1))
+    return _cat(out_b, 0).reshape(b, h, s, d)
+
+
+def blocked(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    *,
+    mode=None,
+    sliding_window=None,
+    q_group=None,
+    kv_group=None,
+    scale=1.0,
+    softcap=None,
+    config=None,
+    mesh=None,
+    **options,
+):
+    """`reference`, computed block by block in one of QEfficient's blocking modes.
+
+    q: [B, H, S, D]; k, v: [B, Hkv, T, D], or [1, B·Hkv, T, D] with batch_fold; q_pos,
+    q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D]. mode and options (num_kv_blocks,
+    num_q_blocks, head_block_size, num_batch_blocks, headpar_split, batch_fold,
+    prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len, num_cores) as in
+    `ref.blocking.BlockingConfig`, or a ready `config=`. mesh: a `jax.sharding.Mesh`; the heads
+    are split over all its devices with shard_map (Hkv must divide evenly) and each device runs
+    the same mode on its heads.
+    """
+    if config is None:
+        if mode is None:
+            raise ValueError("blocked() needs mode=... (or config=BlockingConfig(...))")
+        config = BlockingConfig(mode=mode, **options)
+    elif mode is not None or options:
+        raise ValueError("give either config= or mode= with options, not both")
+    q_pos, kv_pos = jnp.asarray(q_pos), jnp.asarray(kv_pos)
+    groups = (q_group, kv_group)
+    if (q_group is None) != (kv_group is None):
+        raise ValueError("q_group and kv_group must be given together (vision run ids, -1 = text)")
+    b, h, s, _ = q.shape
+    fold = config.batch_fold
+    if fold and k.shape[0] != 1:
+        raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D], got k {k.shape}")
+    hkv = k.shape[1] // b if fold else k.shape[1]
+    if fold and k.shape[1] != b * hkv:
+        raise ValueError(f"batch_fold cache rows {k.shape[1]} are not a multiple of batch {b}")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
+    kwargs = dict(sliding_window=sliding_window, scale=scale, softcap=softcap)
+    if mesh is None:
+        plan = config.plan(b, h, hkv, s, k.shape[2], num_devices=jax.local_device_count())
+        return _blocked(q, k, v, q_pos, kv_pos, *groups, plan, **kwargs)
+    return _sharded(q, k, v, q_pos, kv_pos, groups, config, mesh, kwargs)
+
+
+def _sharded(q, k, v, q_pos, kv_pos, groups, config, mesh, kwargs):
+    """`blocked` with the heads split over every device of `mesh` (shard_map)."""
+    from jax.sharding import PartitionSpec as P
+
+    if config.batch_fold:
+        raise ValueError("a mesh shards the heads of an unfolded cache; drop batch_fold")
+    n = mesh.size
+    b, h, s, _ = q.shape
+    hkv = k.shape[1]
+    if hkv % n:
+        raise ValueError(f"kv heads {hkv} must split evenly over the mesh's {n} devices")
+    plan = config.plan(b, h // n, hkv // n, s, k.shape[2], num_devices=n)
+    heads = P(None, mesh.axis_names)
+    arrays = [q, k, v, q_pos, kv_pos] + [x for x in groups if x is not None]
+    specs = (heads, heads, heads) + (P(),) * (len(arrays) - 3)
+
+    def local(q, k, v, q_pos, kv_pos, *grp):
+        grp = grp if grp else (None, None)
+        return _blocked(q, k, v, q_pos, kv_pos, *grp, plan, **kwargs)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads)
+    return fn(*arrays)

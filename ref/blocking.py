@@ -1,0 +1,237 @@
+"""Blocking options for `ref.attention.blocked`, named as QEfficient's `qaic_config` names them.
+
+A `BlockingConfig` is checked twice: on construction (mode known, counts positive, no option the
+mode ignores) and by `plan` against the array shapes (no more blocks than tokens, head blocks
+that fit the GQA groups). `plan` turns it into the static block boundaries the unrolled loops use.
+"""
+
+import dataclasses
+
+# Which block axes each mode cuts: b(atch), h(eads), q(ueries), kv, r(= GQA n_rep chunks).
+_AXES = {
+    "kv": "kv",
+    "q": "q",
+    "h": "h",
+    "qkv": "q kv",
+    "hq": "h q",
+    "hkv": "h kv",
+    "hqkv": "h q kv",
+    "bhqkv": "b h q kv",
+    "prefill_q": "q r",
+    "prefill_kv": "kv r",
+    "prefill_qkv": "q kv r",
+    "prefill_online": "q kv r",
+}
+MODES = tuple(_AXES)
+
+# The option that sets each axis's block count; prefill modes cut queries by prefill_block_chunks.
+_AXIS_OPTION = {
+    "b": "num_batch_blocks",
+    "h": "head_block_size",
+    "q": "num_q_blocks",
+    "kv": "num_kv_blocks",
+    "r": "prefill_n_rep_chunk",
+}
+
+# qaic_config keys that differ from ours; everything else keeps QEfficient's name.
+_QAIC_ALIASES = {"kv_blocking_headpar_split": "headpar_split", "n_rep_chunk": "prefill_n_rep_chunk"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static block boundaries: every range is a half-open `(start, end)` of Python ints.
+
+    heads: per block `(kv_start, kv_end, ((r_start, r_end), ...))` — kv heads
+    `[kv_start, kv_end)` with the query heads `j·g + r` of each, `r` in the listed ranges.
+    split: KV pieces per block computed independently and merged once at the end (1 with
+    `parallel` False means the sequential online recurrence). batch_fold: the cache is
+    `[1, B·Hkv, T, D]` and the batch is folded into the heads.
+    """
+
+    batch: tuple
+    heads: tuple
+    q: tuple
+    kv: tuple
+    split: int
+    parallel: bool
+    skip_kv: bool
+    batch_fold: bool
+
+
+def ranges(n, blocks, length=None):
+    """Blocks of `ceil(length / blocks)` over `[0, length)` clipped to `[0, n)`; the last takes
+    the remainder and a block that would start at or past `n` is dropped."""
+    length = n if length is None else length
+    size = -(-length // blocks)
+    return tuple((i * size, min((i + 1) * size, n)) for i in range(blocks) if i * size < n)
+
+
+def _sized(n, size):
+    """Consecutive `(start, end)` blocks of `size` over `[0, n)`, the last one shorter."""
+    return tuple((i, min(i + size, n)) for i in range(0, n, size))
+
+
+def _count_option(mode, axis):
+    if axis == "q" and mode.startswith("prefill_"):
+        return "prefill_block_chunks"
+    return _AXIS_OPTION[axis]
+
+
+def _count_options(mode):
+    """The block-count options a mode reads."""
+    return {_count_option(mode, axis) for axis in _AXES[mode].split()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockingConfig:
+    """One blocked-attention setting; option names and meanings follow QEfficient.
+
+    mode: one of `MODES`. num_kv_blocks / num_q_blocks / num_batch_blocks: block counts along
+    the cache, the queries and the batch. head_block_size: query heads per head block (a
+    multiple or a divisor of the GQA group size). headpar_split: cut each KV block into this
+    many pieces computed independently (0 = `num_cores`, default the number of JAX devices).
+    batch_fold: the cache arrives as `[1, B·Hkv, T, D]` (row b·Hkv + h). prefill_block_chunks:
+    query chunks of a prefill mode. prefill_n_rep_chunk: query heads per chunk within one GQA
+    group (default the whole group). skip_kv: leave the running state untouched for KV blocks
+    no query sees. ctx_len: compile-time cache length the KV block size derives from (default
+    the cache length T).
+    """
+
+    mode: str
+    num_kv_blocks: int | None = None
+    num_q_blocks: int | None = None
+    head_block_size: int | None = None
+    num_batch_blocks: int | None = None
+    headpar_split: int | None = None
+    batch_fold: bool = False
+    prefill_block_chunks: int | None = None
+    prefill_n_rep_chunk: int | None = None
+    skip_kv: bool = False
+    ctx_len: int | None = None
+    num_cores: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in _AXES:
+            raise ValueError(f"unknown blocking mode {self.mode!r}; expected one of {MODES}")
+        used = _count_options(self.mode)
+        for option in (*_AXIS_OPTION.values(), "prefill_block_chunks"):
+            value = getattr(self, option)
+            if value is None:
+                if option in used and option != "prefill_n_rep_chunk":
+                    raise ValueError(f"mode {self.mode!r} needs {option}")
+                continue
+            if option not in used:
+                raise ValueError(f"{option}={value} is not used by mode {self.mode!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{option} must be an int >= 1, got {value!r}")
+        for name in ("headpar_split", "ctx_len", "num_cores"):
+            value = getattr(self, name)
+            lowest = 0 if name == "headpar_split" else 1
+            if value is not None and (not isinstance(value, int) or value < lowest):
+                raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+        if self.headpar_split is not None and "kv" not in self.axes:
+            raise ValueError(f"headpar_split needs a mode that blocks the cache, not {self.mode!r}")
+        if self.num_cores is not None and self.headpar_split != 0:
+            raise ValueError("num_cores only sets headpar_split=0; give headpar_split=0 with it")
+        if self.batch_fold and "b" in self.axes:
+            raise ValueError(f"batch_fold folds the batch away; mode {self.mode!r} blocks it")
+
+    @property
+    def axes(self):
+        """The block axes of this mode, e.g. `("h", "q", "kv")`."""
+        return tuple(_AXES[self.mode].split())
+
+    def _count_option(self, axis):
+        return _count_option(self.mode, axis)
+
+    @classmethod
+    def from_qaic_config(cls, qaic_config, *, prefill=False):
+        """A config from a QEfficient `qaic_config` dict; None when it asks for no blocking.
+
+        `prefill=True` reads `prefill_blocking_mode` (`"q"`, `"kv"`, `"qkv"`, `"online"`),
+        otherwise `blocking_mode` (`"kv_headpar"` is `"kv"` with headpar_split, default 0).
+        Keys the chosen mode does not use are dropped, since one qaic_config carries both the
+        decode and the prefill settings; keys unrelated to blocking are ignored.
+        """
+        cfg = {_QAIC_ALIASES.get(key, key): value for key, value in qaic_config.items()}
+        mode = cfg.get("prefill_blocking_mode" if prefill else "blocking_mode")
+        if mode in (None, "none", "default"):
+            return None
+        if prefill:
+            mode = f"prefill_{mode}"
+        elif mode == "kv_headpar":
+            mode = "kv"
+            cfg.setdefault("headpar_split", 0)
+        if mode not in _AXES:
+            key = "prefill_blocking_mode" if prefill else "blocking_mode"
+            raise ValueError(f"unknown {key} {qaic_config[key]!r} in qaic_config")
+        used = _count_options(mode) | {"ctx_len", "skip_kv"}
+        if "kv" in _AXES[mode].split():
+            used |= {"headpar_split", "num_cores"}
+        if "b" not in _AXES[mode].split():
+            used.add("batch_fold")
+        kwargs = {k: cfg[k] for k in used if cfg.get(k) is not None}
+        if kwargs.get("headpar_split") != 0:
+            kwargs.pop("num_cores", None)
+        return cls(mode=mode, **kwargs)
+
+    def plan(self, batch, heads, kv_heads, queries, cache_len, *, num_devices=1):
+        """Static block boundaries for q `[B, H, S, D]` against a cache of T slots.
+
+        batch, heads, kv_heads, queries, cache_len: B, H, Hkv, S, T (unfolded). num_devices:
+        the default for headpar_split=0 without num_cores.
+        """
+        if heads % kv_heads:
+            raise ValueError(f"query heads {heads} must be a multiple of kv heads {kv_heads}")
+        group = heads // kv_heads
+        ctx_len = cache_len if self.ctx_len is None else self.ctx_len
+        if ctx_len < cache_len:
+            raise ValueError(f"ctx_len={ctx_len} is shorter than the cache ({cache_len} slots)")
+        if self.batch_fold:
+            batch, heads, kv_heads = 1, batch * heads, batch * kv_heads
+        axes = self.axes
+        b_blocks = self._count(batch, "num_batch_blocks", "batch rows") if "b" in axes else 1
+        q_blocks = self._count(queries, self._count_option("q"), "queries") if "q" in axes else 1
+        kv_blocks = self._count(ctx_len, "num_kv_blocks", "ctx_len slots") if "kv" in axes else 1
+        split = 1
+        if self.headpar_split is not None:
+            split = self.headpar_split or self.num_cores or num_devices
+        return Plan(
+            batch=ranges(batch, b_blocks),
+            heads=self._head_blocks(heads, kv_heads, group),
+            q=ranges(queries, q_blocks),
+            kv=ranges(cache_len, kv_blocks, ctx_len),
+            split=split,
+            parallel=self.headpar_split is not None or self.mode == "prefill_qkv",
+            skip_kv=self.skip_kv,
+            batch_fold=self.batch_fold,
+        )
+
+    def _count(self, n, option, what):
+        value = getattr(self, option)
+        if value > n:
+            raise ValueError(f"{option}={value} is more blocks than the {n} {what}")
+        return value
+
+    def _head_blocks(self, heads, kv_heads, group):
+        if "r" in self.axes:
+            size = self.prefill_n_rep_chunk or group
+            if group % size:
+                raise ValueError(
+                    f"prefill_n_rep_chunk={size} must divide the GQA group size {group}"
+                )
+        elif "h" in self.axes:
+            size = self.head_block_size
+            if size > heads:
+                raise ValueError(f"head_block_size={size} is more than the {heads} query heads")
+            if size % group and group % size:
+                raise ValueError(
+                    f"head_block_size={size} must be a multiple or a divisor of the GQA group "
+                    f"size {group} (query heads per kv head)"
+                )
+        else:
+            size = heads
+        if size % group == 0:
+            return tuple((a // group, b // group, ((0, group),)) for a, b in _sized(heads, size))
+        within = _sized(group, size)
+        return tuple((j, j + 1, within) for j in range(kv_heads))
