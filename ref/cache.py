@@ -1,0 +1,115 @@
+"""The QAIC KV cache as pure functions: writes, reads, the sliding-window ring, batch folding.
+
+A cache is `[B, Hkv, T, D]`; the call's new keys or values are `[B, Hkv, S, D]`. Slots and
+positions are int arrays with −1 meaning "nothing": a slot −1 writes nothing, a position −1 is
+an empty slot. The cache a call returns is the next call's cache input (QAIC's retained state),
+so chunked prefill is `update` then attention, chunk after chunk.
+
+Writes are one scatter into the cache plus a spare slot that takes every −1, then a static slice
+back to T: every index is in range, which ScatterND needs (it neither clamps nor drops).
+"""
+
+import jax.numpy as jnp
+
+
+def scatter(cache, new, slots):
+    """Write `new` at `slots`: cache [B, Hkv, T, D], new [B, Hkv, S, D], slots [B, S] int.
+
+    A slot −1 (or ≥ T) writes nothing; the slots of one row must otherwise be distinct.
+    Returns [B, Hkv, T, D] in cache's dtype.
+    """
+    b, hkv, t, d = cache.shape
+    if new.shape[:2] != (b, hkv) or new.shape[3] != d or slots.shape != (b, new.shape[2]):
+        raise ValueError(
+            f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and slots [B, S]; "
+            f"got new {new.shape}, slots {slots.shape}"
+        )
+    spare = jnp.concatenate([cache, jnp.zeros((b, hkv, 1, d), cache.dtype)], axis=2)
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(hkv)[None, :, None]
+    dest = _spare_slot(slots, t)[:, None, :]
+    spare = spare.at[rows, heads, dest].set(new.astype(cache.dtype), mode="promise_in_bounds")
+    return spare[:, :, :t]
+
+
+def scatter_positions(cache_pos, positions, slots):
+    """Record which position each slot holds: cache_pos [B, T], positions and slots [B, S] int.
+
+    A slot −1 writes nothing. Returns [B, T] int (−1 = empty slot).
+    """
+    b, t = cache_pos.shape
+    spare = jnp.concatenate([cache_pos, jnp.full((b, 1), -1, cache_pos.dtype)], axis=1)
+    rows = jnp.arange(b)[:, None]
+    dest = _spare_slot(slots, t)
+    spare = spare.at[rows, dest].set(positions.astype(cache_pos.dtype), mode="promise_in_bounds")
+    return spare[:, :t]
+
+
+def _spare_slot(slots, t):
+    """Slots with every invalid one (−1, ≥ T) sent to the spare slot T."""
+    return jnp.where((slots >= 0) & (slots < t), slots, t)
+
+
+def update(cache_k, cache_v, k_new, v_new, slots):
+    """The retained-state handoff: caches [B, Hkv, T, D] after writing k_new, v_new
+    [B, Hkv, S, D] at slots [B, S] (−1 = nothing) — the next call's cache inputs."""
+    return scatter(cache_k, k_new, slots), scatter(cache_v, v_new, slots)
+
+
+def gather(cache, start=0, end=None):
+    """Slots `[start, end)` of a cache [B, Hkv, T, D] → [B, Hkv, end − start, D].
+
+    start and end are static ints (block bounds come from the compile-time ctx_len), so this is
+    a static slice: no dynamic_slice whose start an exporter might not clamp.
+    """
+    t = cache.shape[2]
+    end = t if end is None else end
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= t):
+        raise ValueError(f"gather block [{start}, {end}) must satisfy 0 <= start < end <= T={t}")
+    return cache[:, :, start:end]
+
+
+def causal_positions(q_pos, cache_len):
+    """Positions of a linear cache (slot t holds position t) as seen by a call whose queries sit
+    at q_pos [B, S]: slot t is filled iff t ≤ the row's largest position → [B, T] (−1 = empty)."""
+    last = jnp.max(q_pos, axis=1, keepdims=True)
+    slots = jnp.arange(cache_len, dtype=q_pos.dtype)[None, :]
+    return jnp.where(slots <= last, slots, -1)
+
+
+def rolling_slots(positions, window):
+    """Ring-buffer slots for a sliding-window layer: position p lives in slot p mod W.
+
+    positions [B, S] int (−1 = padding) → slots [B, S] (−1 = write nothing). A position that a
+    later one in the same call evicts (p ≤ row max − W) is not written, so the slots written by
+    one call are distinct. Attention for the call itself must see the keys before eviction:
+    attend over `concat(ring, new)` (see `window_keys`), then write the ring.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    last = jnp.max(positions, axis=1, keepdims=True)
+    keep = (positions >= 0) & (positions > last - window)
+    return jnp.where(keep, positions % window, -1)
+
+
+def window_keys(ring_k, ring_v, ring_pos, k_new, v_new, new_pos):
+    """Keys a sliding-window call attends to: the ring [B, Hkv, W, D] (positions [B, W]) and the
+    call's own keys [B, Hkv, S, D] (positions [B, S]) → k, v [B, Hkv, W + S, D], kv_pos
+    [B, W + S]. The mask's window keeps only the last W positions for each query."""
+    k = jnp.concatenate([ring_k, k_new.astype(ring_k.dtype)], axis=2)
+    v = jnp.concatenate([ring_v, v_new.astype(ring_v.dtype)], axis=2)
+    return k, v, jnp.concatenate([ring_pos, new_pos.astype(ring_pos.dtype)], axis=1)
+
+
+def fold(cache):
+    """Batch fold: [B, Hkv, T, D] → [1, B·Hkv, T, D], batch b's kv head h at row b·Hkv + h."""
+    b, hkv, t, d = cache.shape
+    return cache.reshape(1, b * hkv, t, d)
+
+
+def unfold(cache, batch):
+    """Inverse of `fold`: [1, B·Hkv, T, D] → [B, Hkv, T, D]."""
+    one, rows, t, d = cache.shape
+    if one != 1 or rows % batch:
+        raise ValueError(f"unfold expects [1, B·Hkv, T, D] with B={batch}; got {cache.shape}")
+    return cache.reshape(batch, rows // batch, t, d)
