@@ -132,6 +132,11 @@ def _unique_keys(pairs: list) -> dict:
     return dict(pairs)
 
 
+def _parse_int(text: str):
+    # "-0" is no unsigned integer to the reference parser; a float fails every size check.
+    return -0.0 if text == "-0" else int(text)
+
+
 def parse_json(path, raw: bytes, what: str):
     """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys (which copy wins is ambiguous)."""
     try:
@@ -139,6 +144,7 @@ def parse_json(path, raw: bytes, what: str):
             raw.decode("utf-8"),
             object_pairs_hook=_unique_keys,
             parse_constant=_reject_constant,
+            parse_int=_parse_int,
         )
     except UnicodeDecodeError as e:
         _fail(path, f"{what} is not UTF-8 ({e.reason} at byte {e.start})")
