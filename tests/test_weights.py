@@ -481,3 +481,15 @@ def test_read_tensor_refuses_a_file_that_shrank(tmp_path):
         f.truncate(info.offset + 10)
     with pytest.raises(CheckpointError, match="'t': file is .* shorter than when its header"):
         weights.read_tensor(info)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_reading_every_tensor_keeps_one_descriptor_per_file(tmp_path):
+    """Each memory map holds a file descriptor: one per file, not per tensor."""
+    path = tmp_path / "many.safetensors"
+    weights.write_safetensors(path, {f"t{i}": np.full(3, i, np.float32) for i in range(300)})
+    before = len(os.listdir("/proc/self/fd"))
+    arrays = [weights.read_tensor(i) for i in weights.read_header(path).values()]
+    assert len(os.listdir("/proc/self/fd")) - before <= 1
+    assert sorted(int(a[0]) for a in arrays) == list(range(300))
+    assert not arrays[0].flags.writeable

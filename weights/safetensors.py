@@ -9,9 +9,11 @@ untrusted input, so every field is checked before any offset is used.
 
 import json
 import math
+import mmap
 import os
 import stat
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,13 +306,32 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     if want == 0:
         return np.zeros(info.shape, dt)
     with open_regular(info.file) as f:
-        size = os.fstat(f.fileno()).st_size
-        if info.offset + info.nbytes > size:
+        st = os.fstat(f.fileno())
+        if info.offset + info.nbytes > st.st_size:
             # Mapping past the end would fault (SIGBUS) on first touch.
             _fail(
-                info.file, f"file is {size} bytes, shorter than when its header was read", info.name
+                info.file,
+                f"file is {st.st_size} bytes, shorter than when its header was read",
+                info.name,
             )
-        return np.asarray(np.memmap(f, dtype=dt, mode="r", offset=info.offset, shape=info.shape))
+        mapping = _map_file(f, st)
+    count = math.prod(info.shape)
+    return np.frombuffer(mapping, dt, count, info.offset).reshape(info.shape)
+
+
+# Open mappings by file identity. Each mmap holds a file descriptor, so one per file (kept
+# alive by the arrays viewing it) instead of one per tensor keeps a 2,000-tensor tree
+# under the descriptor limit.
+_MAPPINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _map_file(f, st: os.stat_result) -> mmap.mmap:
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    mapping = _MAPPINGS.get(key)
+    if mapping is None:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        _MAPPINGS[key] = mapping
+    return mapping
 
 
 def _check_tensors(tensors: dict) -> dict[str, np.ndarray]:
