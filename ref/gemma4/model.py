@@ -1,0 +1,268 @@
+"""`Gemma4`: the vision-language model end to end — images through the packed vision tower,
+chunked prefill of the prompt, greedy decode — with a blocked-attention mode per phase.
+
+The chunk schedule is host-side numpy; every step is `ref.gemma4.text.step` on fixed shapes
+([B, S] prefill chunks, [B, 1] decode tokens), the same step a compiled graph runs.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ref.attention import blocked, reference
+from ref.gemma4.text import init_cache, step
+from ref.gemma4.text_config import TextConfig
+
+PREFILL_MODES = ("q", "kv", "qkv", "online")
+DECODE_MODES = ("kv", "q", "h", "qkv", "hq", "hkv", "hqkv", "bhqkv")
+# Default block counts: clipped to the sizes of each phase so every mode is valid for any
+# prompt, batch and chunk; one query head per head block divides every GQA group.
+_BLOCKS = {"kv": 4, "q": 2, "b": 2}
+
+
+def attention_for(mode, *, prefill, batch, queries, ctx_len):
+    """The attention function of one phase: `reference`, or `blocked` in a QEfficient mode.
+
+    mode: None (dense), a prefill mode of PREFILL_MODES, or a decode mode of DECODE_MODES;
+    batch, queries, ctx_len: the phase's B, S and cache length (to clip the block counts).
+    """
+    if mode is None:
+        return reference
+    modes = PREFILL_MODES if prefill else DECODE_MODES
+    if mode not in modes:
+        phase = "prefill" if prefill else "decode"
+        raise ValueError(f"{phase}_blocking={mode!r}: expected None or one of {modes}")
+    axes = {"q", "kv"} if mode == "online" else {a for a in ("b", "h", "q") if a in mode}
+    if "kv" in mode:
+        axes.add("kv")
+    options = {}
+    if "kv" in axes:
+        options["num_kv_blocks"] = min(_BLOCKS["kv"], ctx_len)
+    if "q" in axes:
+        key = "prefill_block_chunks" if prefill else "num_q_blocks"
+        options[key] = min(_BLOCKS["q"], queries)
+    if "h" in axes:
+        options["head_block_size"] = 1
+    if "b" in axes:
+        options["num_batch_blocks"] = min(_BLOCKS["b"], batch)
+    name = f"prefill_{mode}" if prefill else mode
+    return partial(blocked, mode=name, **options)
+
+
+def image_runs(ids, image_token_id):
+    """(start, length) of each contiguous run of image tokens in a row. ids: [L]."""
+    is_image = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def chunk_bounds(length, runs, chunk_size):
+    """Half-open chunks covering [0, length): at most chunk_size tokens, never splitting an
+    image run — a run that does not fit ends the chunk before it, and a run longer than
+    chunk_size gets a chunk of its own.
+
+    An image run attends to itself bidirectionally, so its first tokens need its last ones:
+    prefilled across two chunks, the first part would be computed without the second.
+    """
+    if chunk_size is None:
+        return [(0, length)]
+    run_of = np.full(length + 1, -1)
+    for i, (a, n) in enumerate(runs):
+        run_of[a : a + n] = i
+    bounds, start = [], 0
+    while start < length:
+        end = min(start + chunk_size, length)
+        r = run_of[end]
+        if end < length and r >= 0 and run_of[end - 1] == r:
+            a, n = runs[r]
+            end = a if a > start else a + n
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Gemma4:
+    """Gemma 4 (vision tower + text decoder) with its parameters; greedy generation.
+
+    text_config: TextConfig; text_params: the checkpoint's `model.language_model` tree;
+    lm_head: [V, D] or None (tied to the token embedding); vision: an object with
+    `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`).
+    """
+
+    def __init__(self, text_config, text_params, lm_head=None, vision=None, dtype=jnp.float32):
+        self.config = text_config
+        self.dtype = jnp.dtype(dtype)
+        cast = lambda a: jnp.asarray(a, self.dtype)  # noqa: E731
+        self.params = jax.tree_util.tree_map(cast, text_params)
+        self.lm_head = None if lm_head is None else cast(lm_head)
+        self.vision = vision
+
+    @classmethod
+    def from_params(cls, hf_config, params, dtype=jnp.float32):
+        """From an HF config dict and a checkpoint tree (`model.language_model.…`, optional
+        `lm_head.weight`, and `model.vision_tower`/`model.embed_vision` for images)."""
+        model = params.get("model", {})
+        text = model.get("language_model", model)
+        if "embed_tokens" not in text or "layers" not in text:
+            raise ValueError(
+                f"parameter tree with keys model.{sorted(model)[:6]} holds no Gemma 4 text "
+                "decoder: expected model.language_model.{embed_tokens,layers,…}"
+            )
+        vision = None
+        if "vision_tower" in model and "embed_vision" in model:
+            from ref.gemma4 import VisionTower  # the package re-exports this module
+
+            vision = VisionTower.from_params(hf_config, params, dtype)
+        lm_head = params.get("lm_head", {}).get("weight")
+        return cls(TextConfig.from_hf(hf_config), text, lm_head, vision, dtype)
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype=jnp.float32):
+        """From an HF model folder, read by the checkpoint loader the `weights` package installs."""
+        from ref.gemma4 import _checkpoint_loader
+
+        hf_config, params = _checkpoint_loader()(model_dir)
+        return cls.from_params(hf_config, params, dtype)
+
+    def generate(
+        self,
+        input_ids,
+        patches=None,
+        grids=None,
+        *,
+        max_new_tokens,
+        chunk_size=None,
+        prefill_blocking=None,
+        decode_blocking=None,
+        lengths=None,
+    ):
+        """Greedy generation → [B, max_new_tokens] int token ids.
+
+        input_ids: [B, L], each image already a run of image tokens; patches/grids: the
+        images in order of appearance, row by row, as `VisionTower.embed` takes them;
+        lengths: [B] prompt lengths of right-padded rows (default: all L). See
+        `generate_embedded` for the other options.
+        """
+        images = []
+        if grids:
+            if self.vision is None:
+                raise ValueError("images given but the model has no vision tower")
+            images = self.vision.embed(patches, grids)
+        return self.generate_embedded(
+            input_ids,
+            images,
+            max_new_tokens=max_new_tokens,
+            chunk_size=chunk_size,
+            prefill_blocking=prefill_blocking,
+            decode_blocking=decode_blocking,
+            lengths=lengths,
+        )
+
+    def generate_embedded(
+        self,
+        input_ids,
+        images,
+        *,
+        max_new_tokens,
+        chunk_size=None,
+        prefill_blocking=None,
+        decode_blocking=None,
+        lengths=None,
+    ):
+        """Greedy generation from images already embedded → [B, max_new_tokens] int ids.
+
+        images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
+        chunk_size: None prefills each prompt in one step, else at most chunk_size tokens
+        per step (image runs are never split, see `chunk_bounds`); prefill_blocking: None or
+        one of PREFILL_MODES; decode_blocking: None or one of DECODE_MODES.
+        """
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids {ids.shape}: expected [batch, prompt_len > 0]")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size={chunk_size!r}: expected None or an int >= 1")
+        b, width = ids.shape
+        lengths = _lengths(lengths, b, width)
+        rows = [ids[i, : lengths[i]] for i in range(b)]
+        runs = [image_runs(r, self.config.image_token_id) for r in rows]
+        vision_embeds = self._vision_rows(runs, images)
+        ctx_len = int(lengths.max()) + max_new_tokens
+        schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
+        seq = max(e - s for bounds in schedule for s, e in bounds)
+        run = partial(step, self.params, self.lm_head, config=self.config, last_only=True)
+
+        prefill = attention_for(
+            prefill_blocking, prefill=True, batch=b, queries=seq, ctx_len=ctx_len
+        )
+        cache = init_cache(self.config, b, ctx_len, self.dtype)
+        image_idx = None if vision_embeds is None else jnp.zeros((b, 1), jnp.int32)
+        last_logits = [None] * b
+        for k in range(max(len(s) for s in schedule)):
+            chunk_ids = np.zeros((b, seq), np.int32)
+            chunk_pos = np.full((b, seq), -1, np.int32)
+            for i, bounds in enumerate(schedule):
+                if k < len(bounds):
+                    s, e = bounds[k]
+                    chunk_ids[i, : e - s] = rows[i][s:e]
+                    chunk_pos[i, : e - s] = np.arange(s, e)
+            out = run(
+                cache,
+                jnp.asarray(chunk_ids),
+                jnp.asarray(chunk_pos),
+                vision_embeds,
+                image_idx,
+                attention=prefill,
+            )
+            cache, image_idx = out["cache"], out.get("image_idx")
+            for i, bounds in enumerate(schedule):
+                if k == len(bounds) - 1:
+                    last_logits[i] = out["logits"][i, 0]
+
+        decode = attention_for(decode_blocking, prefill=False, batch=b, queries=1, ctx_len=ctx_len)
+        token = jnp.argmax(jnp.stack(last_logits), axis=-1).astype(jnp.int32)
+        tokens = [token]
+        position = jnp.asarray(lengths, jnp.int32)
+        for _ in range(max_new_tokens - 1):
+            out = run(cache, token[:, None], position[:, None], attention=decode)
+            cache, position = out["cache"], position + 1
+            token = jnp.argmax(out["logits"][:, 0], axis=-1).astype(jnp.int32)
+            tokens.append(token)
+        return np.asarray(jnp.stack(tokens, axis=1))
+
+    def _vision_rows(self, runs, images):
+        """Each row's soft tokens, concatenated in order and zero-padded: [B, V, D] or None."""
+        want = sum(len(r) for r in runs)
+        if len(images) != want:
+            raise ValueError(f"{len(images)} images given, the prompts hold {want} image runs")
+        if want == 0:
+            return None
+        per_row, it = [], iter(images)
+        for i, row_runs in enumerate(runs):
+            embeds = []
+            for start, n in row_runs:
+                img = np.asarray(next(it))
+                if img.shape != (n, self.config.hidden_size):
+                    raise ValueError(
+                        f"row {i}: the image run at {start} has {n} tokens but its image "
+                        f"embeds to {img.shape} (expected [{n}, {self.config.hidden_size}])"
+                    )
+                embeds.append(img)
+            per_row.append(np.concatenate(embeds) if embeds else np.zeros((0, 1)))
+        size = max(len(e) for e in per_row)
+        out = np.zeros((len(runs), size, self.config.hidden_size), np.float32)
+        for i, e in enumerate(per_row):
+            out[i, : len(e)] = e
+        return jnp.asarray(out, self.dtype)
+
+
+def _lengths(lengths, batch, width):
+    if lengths is None:
+        return np.full(batch, width)
+    lengths = np.asarray(lengths)
+    if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > width:
+        raise ValueError(f"lengths={lengths.tolist()}: expected {batch} values in [1, {width}]")
+    return lengths

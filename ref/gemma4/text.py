@@ -1,0 +1,439 @@
+"""The Gemma 4 text decoder as Flax Linen modules over pure functions, one step at a time.
+
+A step is a prefill chunk or a decode token: it writes its keys/values into a position-indexed
+KV cache and attends over the cache, so a prompt prefilled whole, in chunks of any size, or
+token by token gives the same result. Module and parameter names are the checkpoint's own:
+the subtree under `model.language_model` is `TextModel`'s params as it is.
+
+Image soft tokens (from the vision tower, after embed_vision) replace the embeddings of the
+image-token placeholders: each batch row reads its own `vision_embeds[b]` from a running
+index `image_idx[b]` that the step advances by the number of image tokens it consumed.
+"""
+
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ref.attention import reference
+from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.gemma4.vision import RMSNorm, Weight
+from ref.layers import gated_mlp, gelu_tanh, linear, rms_norm
+from ref.rope import rotate_half_split
+
+
+def rope_inv_freq(rope, head_dim):
+    """Inverse frequencies [head_dim/2] float32 (transformers' default / proportional RoPE).
+
+    Proportional RoPE rotates only the first `partial_rotary_factor · head_dim/2` pairs, with
+    frequencies still spaced over the whole head_dim; the rest get frequency 0 (no rotation).
+    """
+    if rope.kind == "default":
+        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        return (1.0 / np.float32(rope.theta) ** exponent).astype(np.float32)
+    angles = int(rope.partial_rotary_factor * head_dim // 2)
+    exponent = np.arange(0, 2 * angles, 2, dtype=np.float32) / np.float32(head_dim)
+    rotated = 1.0 / np.float32(rope.theta) ** exponent
+    inv = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, np.float32)])
+    return (inv / np.float32(rope.factor)).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x: [B, S, H, D]; positions: [B, S] int; inv_freq: [D/2] → [B, S, H, D]."""
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq)
+    return rotate_half_split(x, angles)
+
+
+def scatter_positions(cache, new, positions):
+    """Write `new` at slot = position along axis 1; position −1 (padding) writes nothing.
+
+    cache: [B, T, ...]; new: [B, S, ...]; positions: [B, S] int → [B, T, ...].
+    """
+    slots = jnp.where(positions >= 0, positions, cache.shape[1])  # out of range: dropped
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
+
+
+def vision_runs(is_vision, positions, cache_group):
+    """Vision-run ids of a chunk's tokens: the position where each run starts, −1 for text.
+
+    is_vision: [B, S] bool (invalid columns False); positions: [B, S] (−1 = padding, valid
+    columns contiguous and increasing); cache_group: [B, T], the ids of the tokens already
+    cached → [B, S] int32. A run that started in an earlier chunk keeps its id, so ids agree
+    with those of the whole prompt however it is chunked.
+    """
+    valid = positions >= 0
+    first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
+    prev_slot = jnp.clip(first - 1, 0, cache_group.shape[1] - 1)
+    prev_group = jnp.take_along_axis(cache_group, prev_slot[:, None], axis=1)[:, 0]
+    carried = jnp.where(first >= 1, prev_group, -1)  # [B]
+    prev_vision = jnp.pad(is_vision, ((0, 0), (1, 0)))[:, :-1]
+    at_first = valid & (positions == first[:, None])
+    continues = at_first & (carried[:, None] >= 0)
+    starts = jnp.where(is_vision & ~prev_vision, positions, -1)
+    starts = jnp.where(is_vision & continues, carried[:, None], starts)
+    return jnp.where(is_vision, lax_cummax(starts), -1).astype(jnp.int32)
+
+
+def lax_cummax(x):
+    """Running maximum along axis 1. x: [B, S] → [B, S]."""
+    return jax.lax.cummax(x, axis=1)
+
+
+def merge_vision(embeds, is_image, vision_embeds, image_idx):
+    """Put each row's next image soft tokens where its image placeholders are.
+
+    embeds: [B, S, D]; is_image: [B, S] bool (valid image placeholders); vision_embeds:
+    [B, V, D]; image_idx: [B, 1] int, row b's next unread soft token → (merged [B, S, D],
+    image_idx_output [B, 1] = image_idx + placeholders consumed).
+    """
+    count = is_image.astype(jnp.int32)
+    index = jnp.cumsum(count, axis=1) - 1 + image_idx
+    index = jnp.clip(index, 0, vision_embeds.shape[1] - 1)
+    soft = jnp.take_along_axis(vision_embeds, index[:, :, None], axis=1)
+    merged = jnp.where(is_image[:, :, None], soft.astype(embeds.dtype), embeds)
+    return merged, image_idx + jnp.sum(count, axis=1, keepdims=True)
+
+
+def route(x, proj, scale, per_expert_scale, top_k, eps):
+    """Gemma4TextRouter as dense combine weights.
+
+    x: [N, D]; proj: [E, D]; scale: [D]; per_expert_scale: [E] → [N, E] float32, zero outside
+    each token's top-k experts, the top-k renormalized to sum 1, then scaled per expert.
+    """
+    h = rms_norm(x, None, eps) * scale.astype(x.dtype) * (x.shape[-1] ** -0.5)
+    probs = jax.nn.softmax(linear(h, proj).astype(jnp.float32), axis=-1)
+    weights, index = jax.lax.top_k(probs, top_k)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights * per_expert_scale.astype(jnp.float32)[index]
+    onehot = jax.nn.one_hot(index, proj.shape[0], dtype=jnp.float32)  # [N, K, E]
+    return jnp.sum(onehot * weights[:, :, None], axis=1)
+
+
+def experts(x, gate_up, down, combine):
+    """Every expert's gated MLP, mixed by the router's weights (zero for unrouted experts).
+
+    x: [N, D]; gate_up: [E, 2I, D]; down: [E, D, I]; combine: [N, E] → [N, D].
+    """
+    h = jnp.matmul(x[None], jnp.swapaxes(gate_up, 1, 2).astype(x.dtype))  # [E, N, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = jnp.matmul(gelu_tanh(gate) * up, jnp.swapaxes(down, 1, 2).astype(x.dtype))  # [E, N, D]
+    mixed = jnp.sum(y * jnp.transpose(combine)[:, :, None], axis=0)
+    return mixed.astype(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Gemma4TextScaledWordEmbedding: `weight[ids] · scale`. ids: [...] → [..., dim]."""
+
+    num: int
+    dim: int
+    scale: float
+
+    @nn.compact
+    def __call__(self, ids):
+        w = self.param("weight", nn.initializers.normal(0.02), (self.num, self.dim))
+        return w[ids] * jnp.asarray(self.scale, w.dtype)
+
+
+def _project(x, name, features):
+    return linear(x, Weight((features, x.shape[-1]), name=name)())
+
+
+class Attention(nn.Module):
+    """Gemma4TextAttention over the KV cache: q/k norms, RoPE, v_norm, scale 1."""
+
+    config: TextConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, kv, mask_args, attention):
+        """x: [B, S, D]; positions: [B, S]; kv: (k, v) [B, Hkv, T, hd] — this layer's cache
+        to write, or (KV-sharing consumer) its producer's, already written → (out, kv)."""
+        c, i = self.config, self.layer
+        b, s, _ = x.shape
+        hd, heads, kv_heads = c.head_dims[i], c.num_attention_heads, c.kv_heads[i]
+        inv_freq = rope_inv_freq(c.rope_for(c.layer_types[i]), hd)
+        q = _project(x, "q_proj", heads * hd).reshape(b, s, heads, hd)
+        q = apply_rope(RMSNorm(c.rms_norm_eps, name="q_norm")(q), positions, inv_freq)
+        if not c.shares_kv(i):
+            k = _project(x, "k_proj", kv_heads * hd).reshape(b, s, kv_heads, hd)
+            # attention_k_eq_v: full layers have no v_proj; values are the raw key projection
+            k_eq_v = c.attention_k_eq_v and c.layer_types[i] == FULL
+            v = k if k_eq_v else _project(x, "v_proj", kv_heads * hd).reshape(b, s, kv_heads, hd)
+            k = apply_rope(RMSNorm(c.rms_norm_eps, name="k_norm")(k), positions, inv_freq)
+            v = rms_norm(v, None, c.rms_norm_eps)
+            kv = tuple(
+                jnp.swapaxes(scatter_positions(jnp.swapaxes(cached, 1, 2), new, positions), 1, 2)
+                for cached, new in zip(kv, (k, v), strict=True)
+            )
+        out = attention(jnp.swapaxes(q, 1, 2), kv[0], kv[1], **mask_args, scale=1.0)
+        out = jnp.swapaxes(out, 1, 2).reshape(b, s, heads * hd)
+        return _project(out, "o_proj", c.hidden_size), kv
+
+
+class MLP(nn.Module):
+    """Gemma4TextMLP: `down(gelu_tanh(gate(x)) · up(x))`. x: [..., D] → [..., D]."""
+
+    config: TextConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        # use_double_wide_mlp doubles the MLP of KV-sharing layers only
+        wide = 2 if c.use_double_wide_mlp and c.shares_kv(self.layer) else 1
+        inter = c.intermediate_size * wide
+        return gated_mlp(
+            x,
+            partial(_project, name="gate_proj", features=inter),
+            partial(_project, name="up_proj", features=inter),
+            partial(_project, name="down_proj", features=c.hidden_size),
+        )
+
+
+class Router(nn.Module):
+    """Gemma4TextRouter: `proj.weight`, `scale`, `per_expert_scale`. x: [N, D] → [N, E]."""
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        proj = Weight((c.num_experts, c.hidden_size), name="proj")()
+        scale = self.param("scale", nn.initializers.ones, (c.hidden_size,))
+        per_expert = self.param("per_expert_scale", nn.initializers.ones, (c.num_experts,))
+        return route(x, proj, scale, per_expert, c.top_k_experts, c.rms_norm_eps)
+
+
+class Experts(nn.Module):
+    """Gemma4TextExperts: `gate_up_proj` [E, 2I, D], `down_proj` [E, D, I]."""
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, x, combine):
+        c = self.config
+        e, inter, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
+        init = nn.initializers.normal(0.02)
+        gate_up = self.param("gate_up_proj", init, (e, 2 * inter, d))
+        down = self.param("down_proj", init, (e, d, inter))
+        return experts(x, gate_up, down, combine)
+
+
+class DecoderLayer(nn.Module):
+    """Gemma4TextDecoderLayer: sandwich norms, MLP (+ MoE), per-layer input, layer scalar."""
+
+    config: TextConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, per_layer_input, positions, kv, mask_args, attention):
+        """x: [B, S, D]; per_layer_input: [B, S, P] or None → (x [B, S, D], kv)."""
+        c = self.config
+        norm = partial(RMSNorm, c.rms_norm_eps)
+        h, kv = Attention(c, self.layer, name="self_attn")(
+            norm(name="input_layernorm")(x), positions, kv, mask_args, attention
+        )
+        x = x + norm(name="post_attention_layernorm")(h)
+        h = MLP(c, self.layer, name="mlp")(norm(name="pre_feedforward_layernorm")(x))
+        if c.enable_moe_block:
+            flat = x.reshape(-1, c.hidden_size)
+            combine = Router(c, name="router")(flat)
+            moe = Experts(c, name="experts")(
+                norm(name="pre_feedforward_layernorm_2")(flat), combine
+            )
+            moe = norm(name="post_feedforward_layernorm_2")(moe.reshape(x.shape))
+            h = norm(name="post_feedforward_layernorm_1")(h) + moe
+        x = x + norm(name="post_feedforward_layernorm")(h)
+        if c.hidden_size_per_layer_input:
+            h = gelu_tanh(_project(x, "per_layer_input_gate", c.hidden_size_per_layer_input))
+            h = _project(h * per_layer_input, "per_layer_projection", c.hidden_size)
+            x = x + norm(name="post_per_layer_input_norm")(h)
+        scalar = self.param("layer_scalar", nn.initializers.ones, (1,))
+        return x * scalar.astype(x.dtype), kv
+
+
+def init_cache(config, batch, ctx_len, dtype=jnp.float32):
+    """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
+
+    → {"pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 = text),
+    "k": {layer: [B, Hkv, T, hd]}, "v": {layer: [B, Hkv, T, hd]}} (layer keys are str(i)).
+    """
+    c = config
+    shape = lambda i: (batch, c.kv_heads[i], ctx_len, c.head_dims[i])  # noqa: E731
+    owners = [i for i in range(c.num_hidden_layers) if not c.shares_kv(i)]
+    return {
+        "pos": jnp.full((batch, ctx_len), -1, jnp.int32),
+        "group": jnp.full((batch, ctx_len), -1, jnp.int32),
+        "k": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
+        "v": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
+    }
+
+
+class Layers(nn.Module):
+    """`layers`: decoder layers named "0", "1", … as in the checkpoint.
+
+    __call__(x [B, S, D], per_layer [B, S, L, P] or None, positions [B, S], keys, values
+    ({layer: [B, Hkv, T, hd]} of the cache-owning layers), mask_args per layer type,
+    attention) → (x, keys, values, hidden_states: the input then every layer's output).
+    """
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, x, per_layer, positions, keys, values, mask_args, attention):
+        c = self.config
+        keys, values = dict(keys), dict(values)
+        states = [x]
+        for i in range(c.num_hidden_layers):
+            src = str(c.kv_source[i])  # KV-sharing consumers read their producer's cache
+            x, (keys[src], values[src]) = DecoderLayer(c, i, name=str(i))(
+                x,
+                None if per_layer is None else per_layer[:, :, i],
+                positions,
+                (keys[src], values[src]),
+                mask_args[c.layer_types[i]],
+                attention,
+            )
+            states.append(x)
+        return x, keys, values, tuple(states)
+
+
+class TextModel(nn.Module):
+    """Gemma4TextModel (the checkpoint's `model.language_model`), one step over the cache.
+
+    __call__(input_ids [B, S], positions [B, S] (−1 = padding), cache (see `init_cache`),
+    vision_embeds [B, V, D] or None, image_idx [B, 1] or None, attention) → (hidden
+    [B, S, D] after the final norm, cache, image_idx_output or None, hidden_states: the
+    merged embeddings then every layer's output, each [B, S, D]).
+    """
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, input_ids, positions, cache, vision_embeds, image_idx, attention):
+        c = self.config
+        if c.image_token_id is None:
+            placeholder = jnp.zeros(input_ids.shape, bool)
+        else:
+            placeholder = input_ids == c.image_token_id
+        # as transformers: placeholders embed (and per-layer-embed) as the pad token
+        ids = jnp.where(placeholder, c.pad_token_id, input_ids)
+        x = Embedding(c.vocab_size, c.hidden_size, c.hidden_size**0.5, name="embed_tokens")(ids)
+        is_image = placeholder & (positions >= 0) & (vision_embeds is not None)
+        image_idx_out = None
+        if vision_embeds is not None:
+            x, image_idx_out = merge_vision(x, is_image, vision_embeds, image_idx)
+        per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
+
+        groups = vision_runs(is_image, positions, cache["group"])
+        cache = dict(
+            cache,
+            pos=scatter_positions(cache["pos"], positions, positions),
+            group=scatter_positions(cache["group"], groups, positions),
+        )
+        mask_args = {FULL: dict(q_pos=positions, kv_pos=cache["pos"])}
+        mask_args[SLIDING] = dict(mask_args[FULL], sliding_window=c.sliding_window)
+        if c.bidirectional_vision:
+            mask_args[SLIDING].update(q_group=groups, kv_group=cache["group"])
+
+        x, keys, values, states = Layers(c, name="layers")(
+            x, per_layer, positions, cache["k"], cache["v"], mask_args, attention
+        )
+        x = RMSNorm(c.rms_norm_eps, name="norm")(x)
+        return x, dict(cache, k=keys, v=values), image_idx_out, tuple(states)
+
+    def _per_layer_inputs(self, ids, embeds):
+        """Per-layer embeddings (PLE): token identity plus a projection of the embeddings.
+
+        ids: [B, S]; embeds: [B, S, D] (images merged) → [B, S, L, P].
+        """
+        c = self.config
+        n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
+        table = Embedding(
+            c.vocab_size_per_layer_input, n * p, p**0.5, name="embed_tokens_per_layer"
+        )
+        token = table(ids).reshape(*ids.shape, n, p)
+        proj = _project(embeds, "per_layer_model_projection", n * p) * (c.hidden_size**-0.5)
+        proj = proj.reshape(*ids.shape, n, p)
+        proj = RMSNorm(c.rms_norm_eps, name="per_layer_projection_norm")(proj)
+        return (proj + token) * (2.0**-0.5)
+
+
+def check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx):
+    """Shape checks of one step's inputs (static: they run once per jit trace)."""
+    if input_ids.ndim != 2 or position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids {input_ids.shape} and position_ids {position_ids.shape}: "
+            "expected both [batch, seq_len]"
+        )
+    b = input_ids.shape[0]
+    ctx_len = cache["pos"].shape[1]
+    if cache["pos"].shape[0] != b:
+        raise ValueError(f"cache batch {cache['pos'].shape[0]} != input batch {b}")
+    if vision_embeds is None:
+        if image_idx is not None:
+            raise ValueError("image_idx given without vision_embeds")
+        return
+    want = (b, None, config.hidden_size)
+    if vision_embeds.ndim != 3 or vision_embeds.shape[::2] != want[::2]:
+        raise ValueError(
+            f"vision_embeds {vision_embeds.shape}: expected [batch={b}, vision_size, "
+            f"text_hidden={config.hidden_size}] (one row of soft tokens per batch row)"
+        )
+    if not 0 < vision_embeds.shape[1] < ctx_len:
+        raise ValueError(
+            f"vision_size={vision_embeds.shape[1]}: expected 0 < vision_size < ctx_len={ctx_len}"
+        )
+    if image_idx is None or image_idx.shape != (b, 1):
+        shape = None if image_idx is None else image_idx.shape
+        raise ValueError(f"image_idx {shape}: expected [batch={b}, 1] with vision_embeds")
+
+
+@partial(jax.jit, static_argnames=("config", "attention", "last_only", "return_hidden"))
+def step(
+    params,
+    lm_head,
+    cache,
+    input_ids,
+    position_ids,
+    vision_embeds=None,
+    image_idx=None,
+    *,
+    config,
+    attention=reference,
+    last_only=False,
+    return_hidden=False,
+):
+    """One prefill chunk or decode step of the Gemma 4 text decoder (greedy-ready logits).
+
+    params: the checkpoint's `model.language_model` tree; lm_head: [V, D], or None when tied
+    to embed_tokens; cache: see `init_cache` (ctx_len slots); input_ids, position_ids:
+    [B, S] (position −1 = padding column: computes nothing useful, writes nothing);
+    vision_embeds: [B, vision_size, D] soft tokens per row (prefill), None to skip the merge
+    (decode); image_idx: [B, 1] next unread soft token per row; attention: a function with
+    `ref.attention.reference`'s signature (dense or blocked).
+    → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
+    last_only), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
+    (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
+    """
+    check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
+    hidden, cache, image_idx_out, states = TextModel(config).apply(
+        {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention
+    )
+    if last_only:
+        last = jnp.argmax(position_ids, axis=1)[:, None, None]
+        hidden = jnp.take_along_axis(hidden, last, axis=1)
+    weight = params["embed_tokens"]["weight"] if lm_head is None else lm_head
+    logits = linear(hidden, weight).astype(jnp.float32)
+    cap = config.final_logit_softcapping
+    if cap is not None:
+        logits = jnp.tanh(logits / cap) * cap
+    out = {"logits": logits, "cache": cache}
+    if image_idx_out is not None:
+        out["image_idx"] = image_idx_out
+    if return_hidden:
+        out["hidden_states"] = states
+    return out
