@@ -1,0 +1,182 @@
+"""`python -m codegen export|verify`: the command line (see `--help` of each)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from codegen import graphs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (exit 2), without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _budgets(text):
+    try:
+        return tuple(int(b) for b in text.split(",") if b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
+def _blocking(text):
+    """MODE or MODE:opt=value,opt=value; `all` is every mode with its default options."""
+    if text == "all":
+        return [(m, dict(o)) for m, o in graphs.DEFAULT_BLOCKING.items()] + [("none", {})]
+    mode, _, rest = text.partition(":")
+    if mode not in graphs.DEFAULT_BLOCKING and mode != "none":
+        known = ", ".join(["all", "none", *graphs.DEFAULT_BLOCKING])
+        raise argparse.ArgumentTypeError(f"unknown blocking mode {mode!r}; expected one of {known}")
+    if not rest:
+        return [(mode, dict(graphs.DEFAULT_BLOCKING.get(mode, {})))]
+    options = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: expected option=value")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r}: expected an integer value") from None
+    if mode in ("kv_headpar", "kv_batch_fold"):
+        options = {**graphs.DEFAULT_BLOCKING[mode], **options}
+    return [(mode, options)]
+
+
+def parser():
+    p = _Parser(prog="python -m codegen", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    e = sub.add_parser("export", help="write weight-free ONNX graphs and QAIC artifacts")
+    e.add_argument(
+        "--model",
+        type=Path,
+        help="HF checkpoint folder (default: the embedded "
+        "tiny Gemma 4, written once to $GEMMA4_QAIC_CACHE or ~/.cache/gemma4-qaic)",
+    )
+    e.add_argument(
+        "--out",
+        type=Path,
+        default=Path("export"),
+        help="output folder (default ./export); must be absent or empty unless --force",
+    )
+    e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    e.add_argument(
+        "--budgets",
+        type=_budgets,
+        default=(70, 140),
+        help="vision soft-token "
+        "budgets, one specialization each, from 70,140,280,560,1120 (default 70,140; "
+        "empty: no vision graph)",
+    )
+    e.add_argument(
+        "--blocking",
+        type=_blocking,
+        action="append",
+        metavar="MODE[:opt=v,...]",
+        help="an attention graph per use: a mode (kv, q, h, qkv, hq, hkv, hqkv, "
+        "bhqkv, kv_headpar, kv_batch_fold, prefill_q, prefill_kv, prefill_qkv, "
+        "prefill_online, none = dense) with QEfficient block options such as "
+        "num_kv_blocks=4,head_block_size=2; `all` = every mode (the default)",
+    )
+    e.add_argument(
+        "--attention-layers",
+        type=int,
+        help="layers per attention graph (default: all the checkpoint's text layers)",
+    )
+    e.add_argument("--batch-size", type=int, default=1, help="attention batch (default 1)")
+    e.add_argument(
+        "--seq-len", type=int, default=16, help="tokens per attention call (default 16; 1 = decode)"
+    )
+    e.add_argument(
+        "--ctx-len",
+        type=int,
+        default=256,
+        help="KV cache length; every vision budget must be < ctx_len (default 256)",
+    )
+    e.add_argument(
+        "--weights",
+        choices=("external", "inputs"),
+        default="external",
+        help="external: initializers pointing into the safetensors shards (default); "
+        "inputs: graph inputs + weight spec v5 (QEfficient's form)",
+    )
+    e.add_argument(
+        "--no-subfunctions",
+        dest="sub_functions",
+        action="store_false",
+        help="inline repeated layers instead of ONNX functions",
+    )
+    e.add_argument(
+        "--legacy-specializations",
+        action="store_true",
+        help="flat specializations.json for older SDKs",
+    )
+    e.add_argument(
+        "--kv-dtype",
+        default="float16",
+        help="retained KV cache precision in "
+        "custom_io.yaml: float16, float32, mxint8, bfloat16 (default float16)",
+    )
+    e.add_argument("--num-cores", type=int, default=16, help="-aic-num-cores (default 16)")
+    e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")
+    e.add_argument("--mos", type=int, help="add -mos=N")
+    e.add_argument("--mdp-config", help="add -mdp-load-partition-config=FILE")
+    e.add_argument("--hw-version", default="ai100", help="-aic-hw-version (default ai100)")
+    e.add_argument(
+        "--no-hash",
+        dest="hash_shards",
+        action="store_false",
+        help="skip the shards' sha256 in manifest.json",
+    )
+    e.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the onnxruntime check at the end",
+    )
+    v = sub.add_parser("verify", help="onnxruntime vs ref on every graph and specialization")
+    v.add_argument("out", type=Path, help="an export folder")
+    v.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
+    return p
+
+
+def _run_verify(folder, seed):
+    from codegen.verify import table, verify
+
+    rows = verify(folder, seed=seed)
+    print(table(rows))
+    bad = [r for r in rows if not r[-1]]
+    if bad:
+        print(f"verify: {len(bad)} of {len(rows)} comparisons mismatch", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    from codegen.export import ExportOptions, export, summary
+
+    try:
+        if args.command == "verify":
+            return _run_verify(args.out, args.seed)
+        blocking = tuple(x for group in (args.blocking or [_blocking("all")]) for x in group)
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
+        opts = ExportOptions(blocking=blocking, **fields)
+        manifest = export(opts)
+    except ValueError as e:  # CheckpointError, GraphError, ExportError, ...: bad input
+        print(f"python -m codegen: error: {e}", file=sys.stderr)
+        return 2
+    print(summary(manifest))
+    print(f"wrote {opts.out} in {manifest['export_s']:.1f} s")
+    if opts.verify:
+        return _run_verify(opts.out, 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

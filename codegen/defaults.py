@@ -1,0 +1,119 @@
+"""The embedded default model: a tiny Gemma 4 config and its deterministic random checkpoint.
+
+`python -m codegen export` without `--model` writes this checkpoint once (a real config.json +
+model.safetensors, bfloat16 like the published ones) and exports from it, so the default run
+takes the same path as a downloaded model. It holds the tensors the exported graphs use: the
+vision tower, `embed_vision`, and the text layers' attention projections.
+
+Random weights follow the testing facts in DESIGN.md: every buffer that defaults to a neutral
+value (position table, clip bounds, std_bias/std_scale) is randomized so a bug in it shows,
+and the q/k norm weights are scaled down so float32 noise stays small through the layers.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from codegen.graphs import EMBED_VISION, TEXT_LAYER, vision_param_shapes
+from ref.gemma4.config import VisionConfig
+
+DEFAULT_CONFIG = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "vision_config": {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+        "pooling_kernel_size": 3,
+        "patch_size": 4,
+        "position_embedding_size": 64,
+        "use_clipped_linears": True,
+        "standardize": True,
+    },
+    "text_config": {
+        "model_type": "gemma4_text",
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+    },
+}
+SEED = 20260
+CACHE_ENV = "GEMMA4_QAIC_CACHE"
+
+
+def _random(name, shape, rng):
+    """One tensor: values whose scale suits what the name says it is."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("input_min", "output_min"):
+        return -rng.uniform(0.5, 3.0, shape)
+    if leaf in ("input_max", "output_max"):
+        return rng.uniform(0.5, 3.0, shape)
+    if "position_embedding_table" in name:
+        return rng.normal(0.0, 0.5, shape)
+    if leaf == "std_bias":
+        return rng.normal(0.0, 0.2, shape)
+    if leaf == "std_scale":
+        return rng.uniform(0.5, 1.5, shape)
+    if len(shape) == 1:
+        scale = 0.25 if ("q_norm" in name or "k_norm" in name) else 1.0
+        return scale * rng.uniform(0.5, 1.5, shape)
+    return rng.normal(0.0, shape[-1] ** -0.5, shape)
+
+
+def default_tensors(config=None, seed=SEED):
+    """{checkpoint name: bfloat16 array} of the default model (deterministic in `seed`)."""
+    config = DEFAULT_CONFIG if config is None else config
+    vision = VisionConfig.from_hf(config)
+    shapes = {"model.vision_tower." + n: s for n, s in vision_param_shapes(vision).items()}
+    shapes[EMBED_VISION] = (vision.text_hidden_size, vision.hidden_size)
+    text = config["text_config"]
+    d, hd = text["hidden_size"], text["head_dim"]
+    q, kv = text["num_attention_heads"] * hd, text["num_key_value_heads"] * hd
+    for i in range(text["num_hidden_layers"]):
+        for proj, shape in (
+            ("q_proj", (q, d)),
+            ("k_proj", (kv, d)),
+            ("v_proj", (kv, d)),
+            ("o_proj", (d, q)),
+        ):
+            shapes[TEXT_LAYER.format(i=i, proj=proj)] = shape
+    rng = np.random.default_rng(seed)
+    return {
+        name: np.asarray(_random(name, shape, rng)).astype(ml_dtypes.bfloat16)
+        for name, shape in sorted(shapes.items())
+    }
+
+
+def cache_dir():
+    """Where the default checkpoint lives: $GEMMA4_QAIC_CACHE or ~/.cache/gemma4-qaic."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "gemma4-qaic")
+    return Path(root) / f"default-model-{SEED}"
+
+
+def default_checkpoint(folder=None):
+    """The default checkpoint's folder, written on first use (atomically, by `weights`)."""
+    from weights import save_checkpoint
+
+    folder = cache_dir() if folder is None else Path(folder)
+    config_path = folder / "config.json"
+    if config_path.is_file() and (folder / "model.safetensors").is_file():
+        try:
+            if json.loads(config_path.read_text()) == DEFAULT_CONFIG:
+                return folder
+        except (OSError, ValueError):
+            pass
+    save_checkpoint(folder, DEFAULT_CONFIG, default_tensors(), overwrite=True)
+    return folder

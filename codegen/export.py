@@ -1,0 +1,349 @@
+"""`export`: trace `ref` over abstract weights into ONNX graphs plus their QAIC artifacts.
+
+The output folder holds, for each graph G: G.onnx, G.specializations.json, G.custom_io.yaml
+(graphs with retained state), G.weights.json (`--weights inputs`); and once: the checkpoint's
+shards (hard links), its config.json (and shard index), compile.sh and manifest.json. So the
+folder is itself a checkpoint `verify` can reopen. It is built in a temporary sibling and
+renamed into place: a failed export leaves nothing behind.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+from jax2onnx import to_onnx
+
+from codegen import checks, external, graphs, qaic
+from codegen.ops import OPSET
+from weights import open_checkpoint
+
+MANIFEST = "manifest.json"
+FORMAT = "gemma4-qaic-export/1"
+
+
+class ExportError(ValueError):
+    """Bad options or an output folder that cannot be written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """Everything `python -m codegen export` takes (see `--help` for each)."""
+
+    out: Path
+    model: Path | None = None
+    budgets: tuple = (70, 140)
+    blocking: tuple = ()  # ((mode, {option: value}), ...)
+    attention_layers: int | None = None
+    batch_size: int = 1
+    seq_len: int = 16
+    ctx_len: int = 256
+    weights: str = "external"
+    sub_functions: bool = True
+    legacy_specializations: bool = False
+    kv_dtype: str = "float16"
+    num_cores: int = 16
+    mxfp6: bool = False
+    mos: int | None = None
+    mdp_config: str | None = None
+    hw_version: str = "ai100"
+    hash_shards: bool = True
+    force: bool = False
+    verify: bool = True
+
+    def validate(self):
+        """Raise ExportError for an option value no export could use."""
+        if self.weights not in ("external", "inputs"):
+            raise ExportError(f"--weights {self.weights!r}: expected 'external' or 'inputs'")
+        if self.kv_dtype not in qaic.KV_DTYPES:
+            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: expected one of {qaic.KV_DTYPES}")
+        for name in ("batch_size", "seq_len", "ctx_len", "num_cores"):
+            if getattr(self, name) < 1:
+                raise ExportError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.attention_layers is not None and self.attention_layers < 1:
+            raise ExportError(f"--attention-layers {self.attention_layers}: must be >= 1")
+        try:
+            graphs.check_budgets(self.budgets, self.ctx_len)
+        except graphs.GraphError as e:
+            raise ExportError(str(e)) from e
+
+
+def plan(checkpoint, opts):
+    """The GraphSpecs this checkpoint and these options ask for (vision-only → vision only)."""
+    shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
+    specs = []
+    if opts.budgets and graphs.vision_prefix(shapes) is not None:
+        specs.append(
+            graphs.vision_graph(
+                checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
+            )
+        )
+    text = graphs.text_dims(checkpoint.config) if "text_config" in checkpoint.config else None
+    has_text = graphs.TEXT_LAYER.format(i=0, proj="q_proj") in shapes
+    seen = {}
+    for mode, options in opts.blocking if text and has_text else ():
+        seen[mode] = seen.get(mode, 0) + 1
+        name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
+        specs.append(
+            graphs.attention_graph(
+                checkpoint.config,
+                shapes,
+                name=name,
+                mode=mode,
+                options=options,
+                layers=opts.attention_layers or text[4],
+                batch_size=opts.batch_size,
+                seq_len=opts.seq_len,
+                ctx_len=opts.ctx_len,
+                use_functions=opts.sub_functions,
+            )
+        )
+    if not specs:
+        raise ExportError(
+            f"{checkpoint.dir}: nothing to export (no vision tower tensors, and no text "
+            "attention tensors or no --blocking)"
+        )
+    return specs
+
+
+def trace(spec, tensors):
+    """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
+    symbols = spec.specializations[0]["symbols"] if spec.static else None
+    args = [
+        jax.ShapeDtypeStruct(t.concrete(symbols) if spec.static else t.shape, t.dtype)
+        for t in spec.inputs
+    ]
+    args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
+    with jax.enable_x64(False), graphs.layer_scope():
+        model = to_onnx(
+            spec.fn,
+            args,
+            model_name=spec.name,
+            opset=OPSET,
+            input_names=[t.name for t in spec.inputs] + list(spec.weights),
+            output_names=[t.name for t in spec.outputs],
+        )
+    if spec.static:
+        _label_symbols(model, spec)
+    return model
+
+
+def _label_symbols(model, spec):
+    """Give a statically traced graph's I/O the symbols its specialization binds."""
+    declared = {t.name: t.shape for t in spec.inputs + spec.outputs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        shape = declared.get(value.name)
+        if shape is None:
+            continue
+        for dim, want in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+            if isinstance(want, str):
+                dim.Clear()
+                dim.dim_param = want
+
+
+def _function_names(model):
+    return sorted({f.name for f in model.functions})
+
+
+def _atomic_text(path, text):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w" if isinstance(text, str) else "wb") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _io_entry(tensor, specializations):
+    return {
+        "name": tensor.name,
+        "dtype": tensor.dtype,
+        "shape": list(tensor.shape),
+        "shapes": {s["name"]: list(tensor.concrete(s["symbols"])) for s in specializations},
+    }
+
+
+def write_graph(spec, checkpoint, folder, opts, log):
+    """Trace, bind weights, write and check one graph; returns its manifest entry."""
+    shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
+    t0 = time.perf_counter()
+    checks.no_unclamped_dynamic_slice(spec, shapes)
+    model = trace(spec, checkpoint.tensors)
+    traced = time.perf_counter() - t0
+    weight_spec = None
+    if opts.weights == "external":
+        external.externalize(model, spec.weights, checkpoint.tensors)
+    else:
+        weight_spec = f"{spec.name}.weights.json"
+        ws = external.as_inputs(model, spec.weights, checkpoint.tensors, spec.name)
+        _atomic_text(os.path.join(folder, weight_spec), json.dumps(ws, indent=2) + "\n")
+    path = os.path.join(folder, f"{spec.name}.onnx")
+    data = model.SerializeToString(deterministic=True)
+    _atomic_text(path, data)
+    t1 = time.perf_counter()
+    checks.checker(model)
+    checks.external_paths(model, folder)
+    checks.allowed_ops(model)
+    checks.inferred_shapes(model, spec, shapes)
+    checked = time.perf_counter() - t1
+    _atomic_text(
+        os.path.join(folder, f"{spec.name}.specializations.json"),
+        qaic.specializations_json(spec.specializations, legacy=opts.legacy_specializations),
+    )
+    if spec.retained:
+        _atomic_text(
+            os.path.join(folder, f"{spec.name}.custom_io.yaml"),
+            qaic.custom_io_yaml(spec.retained, opts.kv_dtype),
+        )
+    log(
+        f"  {spec.name}: traced {traced:.1f} s, checked {checked:.1f} s, "
+        f"{len(data) / 1e6:.2f} MB, {len(model.graph.node)} nodes, "
+        f"functions {_function_names(model) or 'none'}"
+    )
+    return {
+        "name": spec.name,
+        "file": f"{spec.name}.onnx",
+        "kind": spec.kind,
+        "options": spec.options,
+        "weights_mode": opts.weights,
+        "weight_spec": weight_spec,
+        "sub_functions": bool(model.functions),
+        "functions": _function_names(model),
+        "nodes": len(model.graph.node),
+        "onnx_bytes": len(data),
+        "trace_s": round(traced, 3),
+        "inputs": [_io_entry(t, spec.specializations) for t in spec.inputs],
+        "outputs": [_io_entry(t, spec.specializations) for t in spec.outputs],
+        "weights": list(spec.weights),
+        "specializations": list(spec.specializations),
+        "retained_state": [list(p) for p in spec.retained],
+    }
+
+
+def _prepare_out(out, force):
+    """Refuse an output that exists as a file, or a non-empty folder without `force`."""
+    out = Path(os.path.abspath(out))
+    if os.path.lexists(out) and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out}: folder is not empty (pass --force to replace it)")
+    return out
+
+
+def _publish(tmp, out):
+    """Rename the finished temporary folder to `out`, replacing what is there."""
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.replace(out, old / "replaced")
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
+
+
+def _compile_commands(entries, opts):
+    return [
+        qaic.compile_command(
+            e["name"],
+            num_cores=opts.num_cores,
+            mxfp6=opts.mxfp6,
+            mos=opts.mos,
+            mdp_config=opts.mdp_config,
+            hw_version=opts.hw_version,
+            sub_functions=e["sub_functions"],
+            custom_io=bool(e["retained_state"]),
+            retained=bool(e["retained_state"]),
+        )
+        for e in entries
+    ]
+
+
+def export(opts, log=None):
+    """Write the export folder `opts.out`; returns the manifest dict. Raises ExportError,
+    CheckpointError, GraphError (bad input) or CheckError (a graph failed a check)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    opts.validate()
+    out = _prepare_out(opts.out, opts.force)
+    if opts.model is None:
+        from codegen.defaults import default_checkpoint
+
+        model_dir = default_checkpoint()
+        log(f"default model: {model_dir}")
+    else:
+        model_dir = opts.model
+    checkpoint = open_checkpoint(model_dir)
+    specs = plan(checkpoint, opts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    start = time.perf_counter()
+    try:
+        shards = external.place_shards(checkpoint.shards, tmp)
+        for extra in ("config.json", "model.safetensors.index.json"):
+            if (checkpoint.dir / extra).is_file():
+                shutil.copyfile(checkpoint.dir / extra, tmp / extra)
+        for s in shards:
+            if s["copied"]:
+                log(f"warning: could not hard-link {s['file']}; copied {s['bytes']} bytes")
+            s["sha256"] = external.sha256(tmp / s["file"]) if opts.hash_shards else None
+        entries = []
+        for i, spec in enumerate(specs):
+            log(f"[{i + 1}/{len(specs)}] {spec.name}")
+            entries.append(write_graph(spec, checkpoint, tmp, opts, log))
+        script = qaic.compile_script(_compile_commands(entries, opts))
+        _atomic_text(tmp / "compile.sh", script)
+        os.chmod(tmp / "compile.sh", 0o755)
+        manifest = {
+            "format": FORMAT,
+            "source": str(checkpoint.dir),
+            "opset": OPSET,
+            "options": _options_json(opts),
+            "shards": shards,
+            "bytes_copied": sum(s["bytes"] for s in shards if s["copied"]),
+            "graphs": entries,
+        }
+        _atomic_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        os.chmod(tmp, 0o755)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    manifest["export_s"] = time.perf_counter() - start
+    return manifest
+
+
+def _options_json(opts):
+    d = dataclasses.asdict(opts)
+    d["out"] = None
+    d["model"] = None if opts.model is None else str(opts.model)
+    d["budgets"] = list(opts.budgets)
+    d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]
+    return d
+
+
+def summary(manifest):
+    """The table printed after an export."""
+    rows = [("graph", "specializations", "nodes", "functions", ".onnx MB", "trace s")]
+    for g in manifest["graphs"]:
+        rows.append(
+            (
+                g["name"],
+                ",".join(s["name"] for s in g["specializations"]),
+                str(g["nodes"]),
+                ",".join(g["functions"]) or "-",
+                f"{g['onnx_bytes'] / 1e6:.2f}",
+                f"{g['trace_s']:.1f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    linked = sum(s["bytes"] for s in manifest["shards"] if not s["copied"])
+    lines.append(
+        f"weights: {len(manifest['shards'])} shard(s), {linked} bytes hard-linked, "
+        f"{manifest['bytes_copied']} bytes copied"
+    )
+    return "\n".join(lines)

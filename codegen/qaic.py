@@ -1,0 +1,79 @@
+"""QAIC compiler artifacts: specializations.json, custom_io.yaml, the qaic-compile command.
+
+Formats follow QEfficient's so its tooling reads them: every specialization value is a string;
+the named form `{"specializations": [{"name": ..., "symbols": {...}}]}` is what current SDKs
+read, `legacy=True` writes the flat `{"specializations": [{symbol: value, ...}]}` older SDKs
+need. `vision_size` is a specialization symbol only, never a compiler flag.
+"""
+
+import json
+import shlex
+
+KV_DTYPES = ("float16", "float32", "mxint8", "bfloat16")
+
+
+def specializations_json(specializations, *, legacy=False):
+    """Text of specializations.json for one graph's [{"name", "symbols": {sym: int}}]."""
+    if legacy:
+        entries = [{k: str(v) for k, v in s["symbols"].items()} for s in specializations]
+    else:
+        entries = [
+            {"name": s["name"], "symbols": {k: str(v) for k, v in s["symbols"].items()}}
+            for s in specializations
+        ]
+    return json.dumps({"specializations": entries}, indent=2) + "\n"
+
+
+def custom_io_yaml(retained, kv_dtype):
+    """Text of custom_io.yaml: each retained-state input and its `_RetainedState` output in
+    `kv_dtype` (QEfficient's layout)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv dtype {kv_dtype!r}: expected one of {KV_DTYPES}")
+    lines = ["# Model Inputs", ""]
+    for name, _ in retained:
+        lines += [f" - IOName: {name}", f"   Precision: {kv_dtype}", ""]
+    lines += ["# Model Outputs", ""]
+    for _, name in retained:
+        lines += [f" - IOName: {name}", f"   Precision: {kv_dtype}", ""]
+    return "\n".join(lines)
+
+
+def compile_command(
+    graph, *, num_cores, mxfp6, mos, mdp_config, hw_version, sub_functions, custom_io, retained
+):
+    """The qaic-compile argument list for one graph (file names relative to the output folder)."""
+    args = [
+        "qaic-compile",
+        "-aic-hw",
+        f"-aic-hw-version={hw_version}",
+        f"-m={graph}.onnx",
+        "-convert-to-fp16",
+        f"-aic-num-cores={num_cores}",
+        f"-network-specialization-config={graph}.specializations.json",
+        f"-aic-binary-dir=qpc/{graph}",
+    ]
+    if retained:
+        args.insert(4, "-retained-state")
+    if custom_io:
+        args.append(f"-custom-IO-list-file={graph}.custom_io.yaml")
+    if sub_functions:
+        args.append("-sub-functions")
+    if mxfp6:
+        args.append("-mxfp6-matmul")
+    if mos is not None:
+        args.append(f"-mos={mos}")
+    if mdp_config is not None:
+        args.append(f"-mdp-load-partition-config={mdp_config}")
+    return args
+
+
+def compile_script(commands):
+    """Text of compile.sh: one qaic-compile per graph, run from the script's folder."""
+    lines = [
+        "#!/bin/sh",
+        "# Written by `python -m codegen export`.",
+        "set -e",
+        'cd "$(dirname "$0")"',
+    ]
+    lines += [shlex.join(c) for c in commands]
+    return "\n".join(lines) + "\n"
