@@ -493,3 +493,22 @@ def test_reading_every_tensor_keeps_one_descriptor_per_file(tmp_path):
     assert len(os.listdir("/proc/self/fd")) - before <= 1
     assert sorted(int(a[0]) for a in arrays) == list(range(300))
     assert not arrays[0].flags.writeable
+
+
+def test_big_endian_arrays_are_written_little_endian(tmp_path):
+    path = tmp_path / "be.safetensors"
+    values = np.array([1.5, -2.0, 3.25])
+    weights.write_safetensors(path, {"be": values.astype(">f4"), "i": np.arange(3, dtype=">i8")})
+    infos = weights.read_header(path)
+    assert infos["be"].dtype == "F32" and raw_slice(infos["be"]) == values.astype("<f4").tobytes()
+    assert_same(weights.read_tensor(infos["i"]), np.arange(3, dtype="<i8"))
+
+
+def test_config_is_read_as_transformers_reads_it(tmp_path):
+    """config.json is Python JSON (Infinity allowed, last duplicate wins), the index is strict."""
+    folder = _save(tmp_path / "m", SMALL, shard_bytes=64)
+    (folder / "config.json").write_text('{"cap": Infinity, "a": 1, "a": 2}')
+    assert weights.open_checkpoint(folder).config == {"cap": float("inf"), "a": 2}
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x", "a": "y"}}')
+    with pytest.raises(CheckpointError, match="duplicate key 'a'"):
+        weights.open_checkpoint(folder)

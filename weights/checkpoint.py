@@ -94,12 +94,12 @@ class Checkpoint:
                 )
 
 
-def _read_json_object(path: Path, what: str) -> dict:
+def _read_json_object(path: Path, what: str, *, strict: bool) -> dict:
     with open_regular(path) as f:
         raw = f.read(MAX_HEADER_BYTES + 1)
     if len(raw) > MAX_HEADER_BYTES:
         raise CheckpointError(f"{path}: {what} is larger than {MAX_HEADER_BYTES} bytes")
-    value = parse_json(path, raw, what)
+    value = parse_json(path, raw, what, strict=strict)
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
     return value
@@ -124,7 +124,7 @@ def _shard_path(model_dir: Path, index: Path, tensor: str, name) -> Path:
 
 
 def _open_sharded(model_dir: Path, index_path: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
-    index = _read_json_object(index_path, "shard index")
+    index = _read_json_object(index_path, "shard index", strict=True)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(
@@ -168,7 +168,7 @@ def open_checkpoint(model_dir) -> Checkpoint:
     model_dir = Path(os.path.abspath(model_dir))
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a folder")
-    config = _read_json_object(model_dir / CONFIG, "config")
+    config = _read_json_object(model_dir / CONFIG, "config", strict=False)
     single, index = model_dir / SINGLE, model_dir / INDEX
     if os.path.lexists(single):
         found, shards = read_header(single), [single]

@@ -16,6 +16,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -99,7 +100,7 @@ class TensorInfo:
         return numpy_dtype(self.dtype)
 
 
-def _fail(path, message: str, tensor: str | None = None):
+def _fail(path, message: str, tensor: str | None = None) -> NoReturn:
     where = f"{path}" if tensor is None else f"{path}: tensor {tensor!r}"
     raise CheckpointError(f"{where}: {message}")
 
@@ -127,11 +128,12 @@ def _reject_constant(name: str):
 
 
 def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"duplicate key {dup!r}")
-    return dict(pairs)
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
 
 
 def _parse_int(text: str):
@@ -139,15 +141,17 @@ def _parse_int(text: str):
     return -0.0 if text == "-0" else int(text)
 
 
-def parse_json(path, raw: bytes, what: str):
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys (which copy wins is ambiguous)."""
+def parse_json(path, raw: bytes, what: str, *, strict: bool = True):
+    """JSON from UTF-8 bytes, errors as CheckpointError.
+
+    `strict`: no NaN/Infinity, no duplicate keys (which copy wins is ambiguous), as the
+    reference parser; otherwise Python's reading, which is how transformers reads config.json.
+    """
+    hooks = (
+        {"object_pairs_hook": _unique_keys, "parse_constant": _reject_constant} if strict else {}
+    )
     try:
-        return json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_unique_keys,
-            parse_constant=_reject_constant,
-            parse_int=_parse_int,
-        )
+        return json.loads(raw.decode("utf-8"), parse_int=_parse_int, **hooks)
     except UnicodeDecodeError as e:
         _fail(path, f"{what} is not UTF-8 ({e.reason} at byte {e.start})")
     except RecursionError:
@@ -390,6 +394,8 @@ def write_safetensors(path, tensors: dict, metadata: dict[str, str] | None = Non
         begin += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: header of {len(raw)} bytes exceeds the format's limit")
     chunks = [len(raw).to_bytes(8, "little"), raw]
     chunks += [arrays[name].reshape(-1).view(np.uint8) for name in order]
     atomic_write(path, chunks)
