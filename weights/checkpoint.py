@@ -58,7 +58,8 @@ class Checkpoint:
             prefix += "."
         names = [n for n in self.tensors if n.startswith(prefix)]
         if not names:
-            raise CheckpointError(f"{self.dir}: no tensor names start with {prefix!r}")
+            what = f"no tensor names start with {prefix!r}" if prefix else "holds no tensors"
+            raise CheckpointError(f"{self.dir}: {what}")
         tree: dict = {}
         for name in names:
             *path, leaf = name[len(prefix) :].split(".")
