@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 from jax2onnx import to_onnx
+from jax2onnx.plugins import plugin_system
 
 from codegen import checks, external, graphs, qaic
 from codegen.ops import OPSET
@@ -111,6 +112,20 @@ def plan(checkpoint, opts):
     return specs
 
 
+def _load_jax_plugins():
+    """Register jax2onnx's plugins for JAX primitives only (1-2 s), before its first call.
+
+    Left alone, the first `to_onnx` imports every plugin tree, examples included, and those
+    compile Equinox models at import: 10-20 s of a 2-core machine. `ref` is plain JAX (Linen
+    modules only compose jnp functions), so the JAX primitive plugins are all it needs.
+    """
+    if plugin_system._already_imported_plugins:
+        return
+    root = Path(plugin_system.__file__).parent
+    plugin_system._import_tree(root / "jax", "jax2onnx.plugins.jax")
+    plugin_system._already_imported_plugins = True
+
+
 def trace(spec, tensors):
     """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
     symbols = spec.specializations[0]["symbols"] if spec.static else None
@@ -119,6 +134,7 @@ def trace(spec, tensors):
         for t in spec.inputs
     ]
     args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
+    _load_jax_plugins()
     with jax.enable_x64(False), graphs.layer_scope():
         model = to_onnx(
             spec.fn,
