@@ -354,6 +354,10 @@ HEADER_CASES = {
         encode({"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2)),
         "not a whole number of bytes",
     ),
+    "zero-size beyond numpy": (
+        encode({"t": {"dtype": "F32", "shape": [2**61, 0], "data_offsets": [0, 0]}}),
+        "'t': F32 shape \\[2305843009213693952, 0\\] is too large for numpy",
+    ),
     "metadata values": (encode({"__metadata__": {"k": 1}}), "__metadata__ must map strings"),
     "missing key": (
         encode({"t": {"dtype": "F32", "shape": [2]}}, bytes(8)),

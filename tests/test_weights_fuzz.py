@@ -31,9 +31,11 @@ FUZZ_EXAMPLES = int(
 )
 CASE_SECONDS = 5  # one case reads a few hundred bytes; anything near this is a hang
 # Stricter than the reference library, on purpose (docs/weights.md): duplicate JSON keys
-# (it silently keeps one), more than 64 dimensions or a dimension >= 2**63 (numpy cannot
-# hold them).
-STRICTER = re.compile(r"duplicate key|at most 64 are supported|integers in \[0, 2\*\*63\)")
+# (it silently keeps one), more than 64 dimensions, a dimension >= 2**63, or zero-size shapes
+# whose other dimensions times the element size reach 2**63 (numpy cannot hold them).
+STRICTER = re.compile(
+    r"duplicate key|at most 64 are supported|integers in \[0, 2\*\*63\)|too large for numpy"
+)
 
 CODES = sorted(weights.DTYPES)
 FUZZ_SETTINGS = settings(max_examples=FUZZ_EXAMPLES)

@@ -178,6 +178,12 @@ def _valid_text(s) -> bool:
 def _byte_length(path, name: str, code: str, shape: tuple[int, ...], stored: int) -> int:
     """dtype x shape in bytes, checked against the stored length without building huge ints."""
     bits = DTYPES[code][0]
+    extent = max(bits // 8, 1)
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > MAX_DIM:
+            # numpy refuses this even with a zero dimension; the reference library allows it
+            _fail(path, f"{code} shape {list(shape)} is too large for numpy", name)
     nelem = 0 if 0 in shape else 1
     for d in shape:
         nelem *= d
