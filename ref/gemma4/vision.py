@@ -1,0 +1,257 @@
+"""The packed Gemma 4 vision tower as Flax Linen modules over pure functions.
+
+Module and parameter names are the Hugging Face checkpoint's own (`encoder.layers.0.self_attn.
+q_proj.linear.weight`, …), weights keep the `[out, in]` layout, so the subtree of a checkpoint
+under `model.vision_tower` is this model's `params` as it is.
+
+Attention runs over the packed sequence in one of two equal ways: `cu_seqlens` given (a static
+tuple) computes each item's attention on its own slice — exact block-diagonal work, what a
+varlen kernel does; otherwise a dense mask over `segment_ids` (static shapes, what a
+fixed-budget export computes).
+"""
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from ref.attention import attend
+from ref.gemma4.config import VisionConfig
+from ref.layers import clipped_linear, gated_mlp, linear, rms_norm
+from ref.rope import axial_rope
+
+_CLIP_NAMES = ("input_min", "input_max", "output_min", "output_max")
+
+
+def segment_mask(segment_ids):
+    """Block-diagonal mask: same item and not filler. segment_ids: [N] → [N, N] bool."""
+    return (segment_ids[:, None] == segment_ids[None, :]) & (segment_ids[:, None] >= 0)
+
+
+def packed_attention(q, k, v, segment_ids, cu_seqlens=None):
+    """Bidirectional attention inside each packed item, scale 1.
+
+    q: [N, H, D]; k, v: [N, Hkv, D]; segment_ids: [N]; cu_seqlens: None or a static tuple of
+    item offsets (the filler after the last offset gets zeros, as under the mask) → [N, H, D].
+    """
+
+    def heads_first(x):
+        return jnp.swapaxes(x, 0, 1)[None]
+
+    if cu_seqlens is None:
+        out = attend(heads_first(q), heads_first(k), heads_first(v), segment_mask(segment_ids))
+        return jnp.swapaxes(out[0], 0, 1)
+    parts = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+        qs, ks, vs = (heads_first(x[start:end]) for x in (q, k, v))
+        parts.append(jnp.swapaxes(attend(qs, ks, vs, True)[0], 0, 1))
+    filler = q.shape[0] - cu_seqlens[-1]
+    if filler:
+        parts.append(jnp.zeros((filler, *q.shape[1:]), q.dtype))
+    return jnp.concatenate(parts, axis=0)
+
+
+def pool(x, pool_index, scale):
+    """Mean over each gathered k×k block, in (at least) float32, times `scale`.
+
+    x: [N, D]; pool_index: [M, k²] → [M, D] float32 (float64 for float64 x).
+    """
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.mean(x.astype(acc)[pool_index], axis=1) * jnp.asarray(scale, acc)
+
+
+def patch_embed(patches, positions, input_proj, table):
+    """`input_proj(2·(p − 0.5)) + table[0][x] + table[1][y]`.
+
+    patches: [N, 3·p·p] in [0, 1]; positions: [N, 2] (x, y); input_proj: [D, 3·p·p];
+    table: [2, P, D] → [N, D].
+    """
+    hidden = linear(2.0 * (patches - 0.5), input_proj)
+    return hidden + (table[0][positions[:, 0]] + table[1][positions[:, 1]]).astype(hidden.dtype)
+
+
+class Weight(nn.Module):
+    """A `weight` parameter of the given shape (HF linears: [out, in])."""
+
+    shape: tuple
+
+    @nn.compact
+    def __call__(self):
+        return self.param("weight", nn.initializers.lecun_normal(), self.shape)
+
+
+class ClippableLinear(nn.Module):
+    """Gemma4ClippableLinear: `linear.weight` [out, in] plus four scalar bounds when clipped."""
+
+    features: int
+    clipped: bool
+
+    @nn.compact
+    def __call__(self, x):
+        w = Weight((self.features, x.shape[-1]), name="linear")()
+        bounds = None
+        if self.clipped:
+            bounds = tuple(
+                self.param(n, lambda _key, n=n: jnp.float32(-jnp.inf if "min" in n else jnp.inf))
+                for n in _CLIP_NAMES
+            )
+        return clipped_linear(x, w, bounds)
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm; `with_scale=False` has no parameter (v_norm, embed_vision)."""
+
+    eps: float
+    with_scale: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        w = None
+        if self.with_scale:
+            w = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        return rms_norm(x, w, self.eps)
+
+
+class Attention(nn.Module):
+    """Gemma4VisionAttention over a packed sequence: q/k norms, axial RoPE, scale 1."""
+
+    config: VisionConfig
+    cu_seqlens: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        """x: [N, D]; positions: [N, 2]; segment_ids: [N] → [N, D]."""
+        c = self.config
+        hd, clip = c.head_dim, c.use_clipped_linears
+
+        def project(name, heads):
+            y = ClippableLinear(heads * hd, clip, name=name)(x)
+            return y.reshape(x.shape[0], heads, hd)
+
+        q = RMSNorm(c.rms_norm_eps, name="q_norm")(project("q_proj", c.num_attention_heads))
+        k = RMSNorm(c.rms_norm_eps, name="k_norm")(project("k_proj", c.num_key_value_heads))
+        v = rms_norm(project("v_proj", c.num_key_value_heads), None, c.rms_norm_eps)
+        q = axial_rope(q, positions, c.rope_theta)
+        k = axial_rope(k, positions, c.rope_theta)
+        out = packed_attention(q, k, v, segment_ids, self.cu_seqlens)
+        return ClippableLinear(c.hidden_size, clip, name="o_proj")(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """Gemma4VisionMLP: `down(gelu_tanh(gate(x)) · up(x))` with clippable linears."""
+
+    config: VisionConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        ffn, clip = c.intermediate_size, c.use_clipped_linears
+        return gated_mlp(
+            x,
+            ClippableLinear(ffn, clip, name="gate_proj"),
+            ClippableLinear(ffn, clip, name="up_proj"),
+            ClippableLinear(c.hidden_size, clip, name="down_proj"),
+        )
+
+
+class EncoderLayer(nn.Module):
+    """Sandwich-normed block: `h = x + post(attn(in(x)))`, `out = h + post(mlp(pre(h)))`."""
+
+    config: VisionConfig
+    cu_seqlens: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        """x: [N, D]; positions: [N, 2]; segment_ids: [N] → [N, D]."""
+        eps = self.config.rms_norm_eps
+        h = RMSNorm(eps, name="input_layernorm")(x)
+        h = Attention(self.config, self.cu_seqlens, name="self_attn")(h, positions, segment_ids)
+        x = x + RMSNorm(eps, name="post_attention_layernorm")(h)
+        h = MLP(self.config, name="mlp")(RMSNorm(eps, name="pre_feedforward_layernorm")(x))
+        return x + RMSNorm(eps, name="post_feedforward_layernorm")(h)
+
+
+class Layers(nn.Module):
+    """`encoder.layers`: layers named "0", "1", … as in the checkpoint."""
+
+    config: VisionConfig
+    cu_seqlens: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        """x: [N, D] → (x [N, D], hidden states: tuple of L+1 arrays [N, D])."""
+        states = [x]
+        for i in range(self.config.num_hidden_layers):
+            x = EncoderLayer(self.config, self.cu_seqlens, name=str(i))(x, positions, segment_ids)
+            states.append(x)
+        return x, tuple(states)
+
+
+class PatchEmbedder(nn.Module):
+    """`patch_embedder.input_proj.weight` and `patch_embedder.position_embedding_table`."""
+
+    config: VisionConfig
+
+    @nn.compact
+    def __call__(self, patches, positions):
+        """patches: [N, 3·p·p]; positions: [N, 2] → [N, D]."""
+        c = self.config
+        w = Weight((c.hidden_size, c.patch_dim), name="input_proj")()
+        table = self.param(
+            "position_embedding_table",
+            nn.initializers.normal(0.02),
+            (2, c.position_embedding_size, c.hidden_size),
+        )
+        return patch_embed(patches, positions, w, table)
+
+
+class Encoder(nn.Module):
+    """`encoder`: holds `layers`."""
+
+    config: VisionConfig
+    cu_seqlens: tuple | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, segment_ids):
+        return Layers(self.config, self.cu_seqlens, name="layers")(x, positions, segment_ids)
+
+
+class VisionModel(nn.Module):
+    """Gemma4VisionModel on a packed sequence.
+
+    __call__(patches [N, 3·p·p], positions [N, 2], segment_ids [N], pool_index [M, k²]) →
+    dict with "pooled" [M, D] (HF's last_hidden_state, in the input dtype) and
+    "hidden_states" (embeddings then every layer's output, [N, D] each).
+    """
+
+    config: VisionConfig
+    cu_seqlens: tuple | None = None
+
+    @nn.compact
+    def __call__(self, patches, positions, segment_ids, pool_index):
+        c = self.config
+        x = PatchEmbedder(c, name="patch_embedder")(patches, positions)
+        x, states = Encoder(c, self.cu_seqlens, name="encoder")(x, positions, segment_ids)
+        pooled = pool(x, pool_index, math.sqrt(c.hidden_size))
+        if c.standardize:
+            bias = self.param("std_bias", nn.initializers.zeros, (c.hidden_size,))
+            scale = self.param("std_scale", nn.initializers.ones, (c.hidden_size,))
+            pooled = (pooled - bias.astype(pooled.dtype)) * scale.astype(pooled.dtype)
+        return {"pooled": pooled.astype(x.dtype), "hidden_states": states}
+
+
+class EmbedVision(nn.Module):
+    """`embed_vision`: weightless RMSNorm, then `embedding_projection` to the text width.
+
+    x: [M, D] → [M, text_hidden].
+    """
+
+    config: VisionConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        if c.text_hidden_size is None:
+            raise ValueError("embed_vision needs text_hidden_size: load a full Gemma 4 config")
+        w = Weight((c.text_hidden_size, x.shape[-1]), name="embedding_projection")()
+        return linear(rms_norm(x, None, c.rms_norm_eps), w)
