@@ -205,15 +205,19 @@ def _blocked(q, k, v, q_pos, kv_pos, q_group, kv_group, plan, *, sliding_window,
     if plan.batch_fold:
         q5 = q5.reshape(1, b * hkv, g, s, d)
 
-    def block_mask(b0, b1, kv0, kv1, q0, q1, t0, t1):
+    @functools.cache
+    def rows_mask(b0, b1, q0, q1, t0, t1):
         rows = slice(None) if plan.batch_fold else slice(b0, b1)
-        m = mask(
+        return mask(
             q_pos[rows, q0:q1],
             kv_pos[rows, t0:t1],
             sliding_window=sliding_window,
             q_group=None if q_group is None else q_group[rows, q0:q1],
             kv_group=None if kv_group is None else kv_group[rows, t0:t1],
         )
+
+    def block_mask(b0, b1, kv0, kv1, q0, q1, t0, t1):
+        m = rows_mask(b0, b1, q0, q1, t0, t1)
         if plan.batch_fold:
             # Folded row b·Hkv + j carries batch row b's positions.
             m = jnp.broadcast_to(m, (b, hkv, *m.shape[2:])).reshape(1, b * hkv, *m.shape[2:])

@@ -1,0 +1,329 @@
+"""`reference` against transformers' Gemma 4 attention; every `blocked` mode against `reference`.
+
+Oracles: transformers' `eager_attention_forward` under the masks `create_masks_for_vision_model`
+builds (full and sliding layers, `mm_token_type_ids` vision runs, left padding); for `blocked`, the
+dense `reference` on the same arrays. Tolerances: 1e-12 relative in float64, 2e-6 in float32
+(relative to the largest output magnitude); 1e-5 against transformers in float32.
+"""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Gemma4TextConfig
+from transformers.models.gemma4 import modeling_gemma4 as hf
+
+from ref.attention import attend, blocked, mask, reference
+from ref.blocking import MODES
+from ref.cache import fold
+
+TOL = {np.float64: 1e-12, np.float32: 2e-6}
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def vision_runs(rng, n):
+    """Random contiguous vision runs over n positions: run id ≥ 0 per vision token, −1 text."""
+    ids = np.full(n, -1)
+    run, i = 0, 0
+    while i < n:
+        length = int(rng.integers(1, 5))
+        if rng.random() < 0.4:
+            ids[i : i + length] = run
+            run += 1
+        i += length
+    return ids
+
+
+def problem(rng, b, h, hkv, s, t, d, dtype, *, scenario, vision):
+    """Random q, k, v and positions for one call.
+
+    scenario "chunk": the cache is linear (slot = position), holding positions 0 … start+S−1
+    for a chunk of S queries starting anywhere, with trailing −1 padding in some rows and some
+    cache holes. scenario "ring": kv positions are an arbitrary permutation of recent positions
+    with empty slots (a rolling buffer). Vision run ids are a function of position, so a run
+    straddling chunks or blocks is the same run everywhere.
+    """
+    scale_qk = 1.0 / np.sqrt(d)
+    q = rng.normal(size=(b, h, s, d)) * scale_qk * 2
+    k = rng.normal(size=(b, hkv, t, d))
+    v = rng.normal(size=(b, hkv, t, d))
+    q_pos = np.full((b, s), -1)
+    kv_pos = np.full((b, t), -1)
+    for row in range(b):
+        start = int(rng.integers(0, max(t - s, 0) + 1))
+        valid = int(rng.integers(0, s + 1)) if rng.random() < 0.3 else s
+        q_pos[row, :valid] = start + np.arange(valid)
+        if scenario == "chunk":
+            filled = min(t, start + s)
+            kv_pos[row, :filled] = np.arange(filled)
+            holes = rng.random(t) < 0.1
+            kv_pos[row, holes] = -1
+        else:
+            last = start + s
+            kv_pos[row] = rng.permutation(np.arange(last - t, last))
+            kv_pos[row, (kv_pos[row] < 0) | (rng.random(t) < 0.15)] = -1
+    groups = {}
+    if vision:
+        runs = vision_runs(rng, s + t + 1)
+        groups = {
+            "q_group": np.where(q_pos >= 0, runs[np.maximum(q_pos, 0)], -1),
+            "kv_group": np.where(kv_pos >= 0, runs[np.maximum(kv_pos, 0)], -1),
+        }
+    cast = lambda x: x.astype(dtype)
+    return cast(q), cast(k), cast(v), q_pos, kv_pos, groups
+
+
+@st.composite
+def mode_options(draw, b, h, hkv, s, t):
+    """A valid mode and options for these shapes (block counts dividing or not)."""
+    mode = draw(st.sampled_from(MODES))
+    g = h // hkv
+    axes = mode
+    opts = {}
+    if mode.startswith("prefill_"):
+        axes = {"prefill_q": "q", "prefill_kv": "kv", "prefill_qkv": "qkv"}.get(mode, "qkv")
+        if draw(st.booleans()):
+            opts["prefill_n_rep_chunk"] = draw(
+                st.sampled_from([c for c in range(1, g + 1) if g % c == 0])
+            )
+        if "q" in axes:
+            opts["prefill_block_chunks"] = draw(st.integers(1, min(s, 4)))
+        axes = axes.replace("q", "")
+    if "kv" in axes:
+        ctx_len = draw(st.sampled_from([t, t + draw(st.integers(0, 5))]))
+        if ctx_len != t:
+            opts["ctx_len"] = ctx_len
+        opts["num_kv_blocks"] = draw(st.integers(1, min(ctx_len, 5)))
+        opts["skip_kv"] = draw(st.booleans())
+        if draw(st.booleans()):
+            opts["headpar_split"] = draw(st.integers(0, 3))
+        axes = axes.replace("kv", "")
+    if "q" in axes:
+        opts["num_q_blocks"] = draw(st.integers(1, min(s, 4)))
+    if "b" in axes:
+        opts["num_batch_blocks"] = draw(st.integers(1, b))
+    fold_heads = h
+    if "b" not in axes and draw(st.booleans()):
+        opts["batch_fold"] = True
+        fold_heads = b * h
+    if "h" in axes:
+        sizes = [c for c in range(1, fold_heads + 1) if c % g == 0 or g % c == 0]
+        opts["head_block_size"] = draw(st.sampled_from(sizes))
+    return mode, opts
+
+
+@st.composite
+def cases(draw):
+    # Few distinct shapes: eager JAX compiles every primitive once per shape, which dominates
+    # the runtime; block counts, modes, positions and data still vary freely.
+    hkv = draw(st.integers(1, 2))
+    shapes = dict(
+        b=draw(st.integers(1, 2)),
+        h=hkv * draw(st.sampled_from([1, 2, 3])),
+        hkv=hkv,
+        s=draw(st.sampled_from([1, 4, 7])),
+        t=draw(st.sampled_from([7, 12])),
+        d=4,
+    )
+    mode, opts = draw(mode_options(shapes["b"], shapes["h"], hkv, shapes["s"], shapes["t"]))
+    extra = dict(
+        sliding_window=draw(st.one_of(st.none(), st.integers(1, 8))),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 30.0))),
+        scale=draw(st.sampled_from([1.0, 0.5])),
+    )
+    return shapes, mode, opts, extra
+
+
+@settings(max_examples=70)
+@given(
+    cases(),
+    st.sampled_from([np.float64, np.float32]),
+    st.sampled_from(["chunk", "ring"]),
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+)
+def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
+    shapes, mode, opts, extra = case
+    rng = np.random.default_rng(seed)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, **shapes, dtype=dtype, scenario=scenario, vision=vision
+    )
+    want = reference(q, k, v, q_pos, kv_pos, **groups, **extra)
+    if opts.get("batch_fold"):
+        k, v = fold(k), fold(v)
+    got = blocked(q, k, v, q_pos, kv_pos, mode=mode, **opts, **groups, **extra)
+    assert got.dtype == want.dtype == dtype
+    assert got.shape == want.shape
+    assert not np.isnan(np.asarray(got)).any()
+    assert rel_err(got, want) <= TOL[dtype], (mode, opts)
+
+
+@settings(max_examples=12)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_reference_padding_rows_are_zero_and_dense_oracle(s, t, seed):
+    """Rows no key is visible to are exactly zero; every other row is the float64 softmax."""
+    rng = np.random.default_rng(seed)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, 2, 4, 2, s, t, 4, np.float64, scenario="ring", vision=True
+    )
+    got = np.asarray(reference(q, k, v, q_pos, kv_pos, **groups, sliding_window=3))
+    m = np.asarray(mask(q_pos, kv_pos, sliding_window=3, **groups))[:, 0]
+    kr = np.repeat(k, 2, axis=1)
+    vr = np.repeat(v, 2, axis=1)
+    for b in range(2):
+        for head in range(4):
+            for i in range(s):
+                seen = m[b, i]
+                if not seen.any():
+                    assert (got[b, head, i] == 0).all()
+                    continue
+                logits = kr[b, head, seen] @ q[b, head, i]
+                p = np.exp(logits - logits.max())
+                want = (p / p.sum()) @ vr[b, head, seen]
+                assert np.abs(got[b, head, i] - want).max() <= 1e-12
+
+
+def test_mask_window_is_one_sided_and_vision_is_bidirectional():
+    """AND(window, OR(causal, same run)): a later key of the query's run stays visible."""
+    q_pos = np.array([[0, 1, 2, 3, 4, 5]])
+    runs = np.array([[-1, 0, 0, 0, 0, -1]])
+    m = np.asarray(mask(q_pos, q_pos, sliding_window=2, q_group=runs, kv_group=runs))[0, 0]
+    assert m[1, 4]  # same run, later key, inside the window (future keys are never outside)
+    assert not m[4, 1]  # same run, but 4 − 1 ≥ 2 is outside the window
+    assert m[4, 3] and not m[5, 3]
+    assert not m[0, 1]  # text token: causal
+    with pytest.raises(ValueError, match="together"):
+        mask(q_pos, q_pos, q_group=runs)
+    with pytest.raises(ValueError, match="sliding_window"):
+        mask(q_pos, q_pos, sliding_window=0)
+
+
+def hf_attention(q, k, v, mask4, softcap, groups):
+    module = types.SimpleNamespace(
+        num_key_value_groups=groups, training=False, head_dim=q.shape[-1]
+    )
+    out, _ = hf.eager_attention_forward(
+        module,
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        mask4,
+        scaling=1.0,
+        softcap=softcap,
+    )
+    return out.transpose(1, 2).numpy()
+
+
+@settings(max_examples=12)
+@given(
+    st.integers(1, 2),
+    st.integers(2, 12),
+    st.integers(1, 6),
+    st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    st.one_of(st.none(), st.floats(1.0, 50.0)),
+    st.integers(0, 2**32 - 1),
+)
+def test_reference_matches_transformers(b, s, window, heads, softcap, seed):
+    """Full and sliding layers with left padding and mm_token_type_ids vision runs."""
+    rng = np.random.default_rng(seed)
+    h, hkv = heads
+    d = 8
+    cfg = Gemma4TextConfig(
+        hidden_size=16,
+        num_attention_heads=h,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        sliding_window=window,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention="vision",
+    )
+    cfg._attn_implementation = "eager"
+    pad = rng.integers(0, s // 2 + 1, size=b)
+    attention_mask = (np.arange(s)[None, :] >= pad[:, None]).astype(np.int64)
+    token_types = np.where(rng.random((b, s)) < 0.5, rng.integers(1, 3, size=(b, s)), 0)
+    token_types[attention_mask == 0] = 0
+    runs = hf.get_block_sequence_ids_for_mask(torch.from_numpy(token_types), device="cpu")
+    masks = hf.create_masks_for_vision_model(
+        config=cfg,
+        inputs_embeds=torch.zeros(b, s, 16),
+        attention_mask=torch.from_numpy(attention_mask),
+        cache=None,
+        position_ids=torch.from_numpy(np.maximum(np.cumsum(attention_mask, 1) - 1, 0)),
+        block_sequence_ids=runs,
+    )
+    q = rng.normal(size=(b, h, s, d)).astype(np.float32) * 0.7
+    k = rng.normal(size=(b, hkv, s, d)).astype(np.float32) * 0.7
+    v = rng.normal(size=(b, hkv, s, d)).astype(np.float32)
+    # transformers masks by cache index; with no cache, index = slot = our position.
+    pos = np.where(attention_mask == 1, np.arange(s)[None, :], -1)
+    runs = runs.numpy()
+    for layer, sw, grp in (
+        ("full_attention", None, {}),
+        ("sliding_attention", window, {"q_group": runs, "kv_group": runs}),
+    ):
+        want = hf_attention(q, k, v, masks[layer], softcap, h // hkv)
+        got = np.asarray(reference(q, k, v, pos, pos, sliding_window=sw, softcap=softcap, **grp))
+        valid = attention_mask.astype(bool)
+        assert np.abs(got - want)[valid[:, None, :].repeat(h, 1)].max() <= 1e-5, layer
+        assert (got[~valid[:, None, :].repeat(h, 1)] == 0).all()
+
+
+def test_attend_keeps_its_contract():
+    """attend: masks of any broadcastable rank, GQA head mapping, float64 in → float64 out."""
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(1, 4, 3, 2))
+    k = rng.normal(size=(1, 2, 5, 2))
+    v = rng.normal(size=(1, 2, 5, 2))
+    m2 = rng.random((3, 5)) < 0.6
+    m2[0] = False
+    out = np.asarray(attend(q, k, v, m2))
+    full = np.asarray(attend(q, k, v, np.broadcast_to(m2, (1, 4, 3, 5))))
+    assert out.dtype == np.float64
+    assert np.abs(out - full).max() <= 1e-15
+    assert (out[:, :, 0] == 0).all()
+    per_head = np.asarray(attend(q[:, 2:4], k[:, 1:2], v[:, 1:2], m2))
+    assert np.abs(out[:, 2:4] - per_head).max() <= 1e-15
+    with pytest.raises(ValueError, match="multiple"):
+        attend(q[:, :3], k, v, m2)
+
+
+def test_blocked_rejects_bad_calls():
+    rng = np.random.default_rng(1)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 2, 4, 2, 3, 6, 4, np.float64, scenario="chunk", vision=False
+    )
+    with pytest.raises(ValueError, match="mode"):
+        blocked(q, k, v, q_pos, kv_pos)
+    with pytest.raises(ValueError, match="more blocks"):
+        blocked(q, k, v, q_pos, kv_pos, mode="q", num_q_blocks=4)
+    with pytest.raises(ValueError, match="batch_fold"):
+        blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, batch_fold=True)
+    with pytest.raises(ValueError, match="ctx_len"):
+        blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, ctx_len=5)
+    with pytest.raises(ValueError, match="together"):
+        blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, q_group=q_pos)
+
+
+def test_blocked_is_jittable_and_float32_softmax_for_bf16():
+    """Block loops unroll under jit; bfloat16 inputs stay within bf16 rounding of float64."""
+    import jax
+
+    rng = np.random.default_rng(2)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 1, 4, 2, 8, 16, 8, np.float64, scenario="chunk", vision=False
+    )
+    fn = jax.jit(lambda *a: blocked(*a, mode="qkv", num_q_blocks=2, num_kv_blocks=4))
+    want = reference(q, k, v, q_pos, kv_pos)
+    got = fn(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), q_pos, kv_pos)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, want) <= 3e-2
+    assert rel_err(fn(q, k, v, q_pos, kv_pos), want) <= 1e-12
