@@ -158,7 +158,10 @@ def _run_verify(folder, seed):
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad option already reported in one line
+        return e.code
     from codegen.export import ExportOptions, export, summary
 
     try:
