@@ -14,12 +14,12 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
+from ref.cache import scatter_positions
 from ref.gemma4.model import attention_for, chunk_bounds, image_runs
 from ref.gemma4.text import (
     init_cache,
     merge_vision,
     rope_inv_freq,
-    scatter_positions,
     step,
     vision_runs,
 )
@@ -304,13 +304,6 @@ def test_chunk_bounds_cover_and_keep_runs_whole(length, chunk, seed):
         assert e - s <= chunk or inside == [(s, e - s)]
     for a, n in runs:
         assert any(s <= a and a + n <= e for s, e in bounds), f"run {(a, n)} split by {bounds}"
-
-
-def test_scatter_positions_padding_writes_nothing():
-    cache = jnp.arange(2 * 5, dtype=jnp.float32).reshape(2, 5)
-    new = jnp.array([[10.0, 11.0], [12.0, 13.0]])
-    out = scatter_positions(cache, new, jnp.array([[3, -1], [-1, 0]]))
-    np.testing.assert_array_equal(out, [[0, 1, 2, 10, 4], [13, 6, 7, 8, 9]])
 
 
 def _tiny():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ref.attention import reference
+from ref.cache import scatter_positions, update
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.gemma4.vision import RMSNorm, Weight
 from ref.layers import gated_mlp, gelu_tanh, linear, rms_norm
@@ -44,16 +45,6 @@ def apply_rope(x, positions, inv_freq):
     """x: [B, S, H, D]; positions: [B, S] int; inv_freq: [D/2] → [B, S, H, D]."""
     angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq)
     return rotate_half_split(x, angles)
-
-
-def scatter_positions(cache, new, positions):
-    """Write `new` at slot = position along axis 1; position −1 (padding) writes nothing.
-
-    cache: [B, T, ...]; new: [B, S, ...]; positions: [B, S] int → [B, T, ...].
-    """
-    slots = jnp.where(positions >= 0, positions, cache.shape[1])  # out of range: dropped
-    rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
 def vision_runs(is_vision, positions, cache_group):
@@ -164,10 +155,7 @@ class Attention(nn.Module):
             v = k if k_eq_v else _project(x, "v_proj", kv_heads * hd).reshape(b, s, kv_heads, hd)
             k = apply_rope(RMSNorm(c.rms_norm_eps, name="k_norm")(k), positions, inv_freq)
             v = rms_norm(v, None, c.rms_norm_eps)
-            kv = tuple(
-                jnp.swapaxes(scatter_positions(jnp.swapaxes(cached, 1, 2), new, positions), 1, 2)
-                for cached, new in zip(kv, (k, v), strict=True)
-            )
+            kv = update(*kv, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), positions)
         out = attention(jnp.swapaxes(q, 1, 2), kv[0], kv[1], **mask_args, scale=1.0)
         out = jnp.swapaxes(out, 1, 2).reshape(b, s, heads * hd)
         return _project(out, "o_proj", c.hidden_size), kv
