@@ -18,6 +18,8 @@ import os
 
 import jax
 import onnx
+from jax._src import source_info_util
+from jax.extend.core import Literal
 from onnx import shape_inference
 
 from codegen.ops import ALLOWED_OPS
@@ -141,8 +143,19 @@ def ref_shapes(spec, symbols, weight_shapes):
     return {t.name: tuple(o.shape) for t, o in zip(spec.outputs, out, strict=True)}
 
 
+def _dims(value, symbols=None):
+    """A ValueInfo's shape: ints, with dim_params bound by `symbols` where they can be."""
+    symbols = symbols or {}
+    return tuple(
+        d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param, d.dim_param or None)
+        for d in value.type.tensor_type.shape.dim
+    )
+
+
 def inferred_shapes(model, spec, weight_shapes):
-    """At every specialization, inferred output shapes == ref's and == the declared symbols."""
+    """At every specialization, each output's shape as the graph declares it, as ONNX shape
+    inference derives it, and as the spec declares it all equal what `ref` gives."""
+    declared_by_graph = {o.name: o for o in model.graph.output}
     for s in spec.specializations:
         symbols = s["symbols"]
         try:
@@ -151,38 +164,48 @@ def inferred_shapes(model, spec, weight_shapes):
             )
         except onnx.shape_inference.InferenceError as e:
             raise CheckError(f"{spec.name} at {s['name']}: shape inference failed: {e}") from e
-        got = {
-            o.name: tuple(
-                d.dim_value if d.HasField("dim_value") else d.dim_param or None
-                for d in o.type.tensor_type.shape.dim
-            )
-            for o in inferred.graph.output
-        }
+        got = {o.name: _dims(o) for o in inferred.graph.output}
         want = ref_shapes(spec, symbols, weight_shapes)
         for t in spec.outputs:
-            declared = t.concrete(symbols)
-            if got.get(t.name) != want[t.name] or declared != want[t.name]:
+            shapes = {
+                "graph declares": _dims(declared_by_graph[t.name], symbols),
+                "inference gives": got.get(t.name),
+                "spec declares": t.concrete(symbols),
+            }
+            wrong = {k: v for k, v in shapes.items() if v != want[t.name]}
+            if wrong:
                 raise CheckError(
-                    f"{spec.name} at {s['name']}: output {t.name!r} has inferred shape "
-                    f"{got.get(t.name)}, declared {declared}, ref gives {want[t.name]}"
+                    f"{spec.name} at {s['name']}: output {t.name!r}: ref gives {want[t.name]}, "
+                    + ", ".join(f"{k} {v}" for k, v in wrong.items())
                 )
 
 
 _SLICES = ("dynamic_slice", "dynamic_update_slice")
 
 
-def _jaxprs(jaxpr):
-    yield jaxpr
+def _dynamic_slices(jaxpr):
+    """(eqn) of each dynamic_slice / dynamic_update_slice whose start depends on an input of
+    its jaxpr (a sub-jaxpr's inputs all count as run-time values)."""
+    dynamic = set(jaxpr.invars) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        if eqn.primitive.name in _SLICES:
+            first = 2 if eqn.primitive.name == "dynamic_update_slice" else 1
+            if any(v in dynamic for v in eqn.invars[first:] if not isinstance(v, Literal)):
+                yield eqn
+        if any(v in dynamic for v in ins):
+            dynamic.update(eqn.outvars)
     for eqn in jaxpr.eqns:
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _jaxprs(inner)
+                    yield from _dynamic_slices(inner)
 
 
 def no_unclamped_dynamic_slice(spec, weight_shapes):
-    """Refuse a `dynamic_slice`/`dynamic_update_slice` whose start is computed at run time."""
+    """Refuse a `dynamic_slice`/`dynamic_update_slice` whose start is computed at run time
+    (a start folded from constants is fine)."""
     from codegen.graphs import layer_scope
 
     symbols = spec.specializations[0]["symbols"]
@@ -191,16 +214,9 @@ def no_unclamped_dynamic_slice(spec, weight_shapes):
     ]
     with layer_scope():
         closed = jax.make_jaxpr(spec.fn)(*args)
-    for jaxpr in _jaxprs(closed.jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name not in _SLICES:
-                continue
-            first = 2 if eqn.primitive.name == "dynamic_update_slice" else 1
-            starts = eqn.invars[first:]
-            if all(isinstance(v, jax.core.Literal) for v in starts):
-                continue
-            where = jax._src.source_info_util.summarize(eqn.source_info)
-            raise CheckError(
-                f"{spec.name}: {eqn.primitive.name} with a run-time start at {where}: "
-                "jax2onnx does not clamp it as JAX does; use a static slice or a gather"
-            )
+    for eqn in _dynamic_slices(closed.jaxpr):
+        where = source_info_util.summarize(eqn.source_info)
+        raise CheckError(
+            f"{spec.name}: {eqn.primitive.name} with a run-time start at {where}: "
+            "jax2onnx does not clamp it as JAX does; use a static slice or a gather"
+        )

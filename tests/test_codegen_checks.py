@@ -1,0 +1,295 @@
+"""The checks every written graph must pass (each shown to fail on the defect it guards), and
+exported graphs against independent oracles: transformers' Gemma 4 vision model, and the dense
+attention reference for every blocking mode, on hypothesis-drawn configs and shapes."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from codegen import checks, external, graphs
+from codegen.defaults import DEFAULT_CONFIG, default_checkpoint
+from codegen.export import ExportOptions, export, trace
+from ref.gemma4.config import VisionConfig
+from ref.gemma4.packing import pack, pack_patches
+from tests.hf_vision import hf_full_model, hf_padded_inputs
+from tests.strategies import grids, vision_configs
+from weights import open_checkpoint, save_checkpoint
+
+RTOL = 1e-5  # max|onnxruntime − oracle| / max|oracle|, float32 on both sides
+
+
+def rel_err(ours, oracle):
+    oracle = np.asarray(oracle, np.float64)
+    return float(np.max(np.abs(np.asarray(ours, np.float64) - oracle)) / np.max(np.abs(oracle)))
+
+
+class _Info:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def _spec(fn, inputs, outputs, weights, specializations):
+    return graphs.GraphSpec(
+        name="probe",
+        kind="test",
+        options={},
+        inputs=inputs,
+        outputs=outputs,
+        weights=tuple(weights),
+        fn=fn,
+        reference=None,
+        sample=None,
+        specializations=specializations,
+    )
+
+
+def test_shape_check_catches_jax2onnx_symbolic_concat():
+    def fn(x, y, w):
+        return (jnp.concatenate([x, y], axis=0) * w,)
+
+    spec = _spec(
+        fn,
+        (graphs.Tensor("x", ("n", 4), "float32"), graphs.Tensor("y", ("m", 4), "float32")),
+        (graphs.Tensor("out", ("n+m", 4), "float32"),),
+        ["w"],
+        ({"name": "s", "symbols": {"n": 2, "m": 3, "n+m": 5}},),
+    )
+    model = trace(spec, {"w": _Info((4,))})
+    with pytest.raises(checks.CheckError, match=r"ref gives \(5, 4\), graph declares \(2, 4\)"):
+        checks.inferred_shapes(model, spec, {"w": (4,)})
+
+
+def test_shape_check_passes_a_right_graph_and_catches_a_wrong_spec():
+    def fn(x, w):
+        return (x * w,)
+
+    inputs = (graphs.Tensor("x", ("n", 4), "float32"),)
+    ok = _spec(
+        fn,
+        inputs,
+        (graphs.Tensor("out", ("n", 4), "float32"),),
+        ["w"],
+        ({"name": "s", "symbols": {"n": 3}},),
+    )
+    model = trace(ok, {"w": _Info((4,))})
+    checks.inferred_shapes(model, ok, {"w": (4,)})
+    wrong = _spec(
+        fn, inputs, (graphs.Tensor("out", ("n", 5), "float32"),), ["w"], ok.specializations
+    )
+    with pytest.raises(checks.CheckError, match="spec declares"):
+        checks.inferred_shapes(model, wrong, {"w": (4,)})
+
+
+@pytest.mark.parametrize("traced_start", [True, False])
+def test_dynamic_slice_guard(traced_start):
+    def fn(x, i, w):
+        start = i[0] if traced_start else jnp.int32(1)  # folded from constants: allowed
+        return (jax.lax.dynamic_slice(x, (start,), (2,)) * w,)
+
+    spec = _spec(
+        fn,
+        (graphs.Tensor("x", (6,), "float32"), graphs.Tensor("i", (1,), "int32")),
+        (graphs.Tensor("out", (2,), "float32"),),
+        ["w"],
+        ({"name": "s", "symbols": {}},),
+    )
+    if traced_start:
+        with pytest.raises(checks.CheckError, match="dynamic_slice with a run-time start"):
+            checks.no_unclamped_dynamic_slice(spec, {"w": (2,)})
+    else:
+        checks.no_unclamped_dynamic_slice(spec, {"w": (2,)})
+
+
+def _model(nodes, functions=()):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
+    graph = helper.make_graph(nodes, "g", [x], [y])
+    return helper.make_model(
+        graph,
+        functions=list(functions),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("custom", 1)],
+    )
+
+
+def test_allow_list():
+    checks.allowed_ops(_model([helper.make_node("MatMul", ["x", "x"], ["y"])]))
+    with pytest.raises(checks.CheckError, match="Einsum"):
+        checks.allowed_ops(
+            _model([helper.make_node("Einsum", ["x", "x"], ["y"], equation="ij,jk->ik")])
+        )
+    body = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "b", [], [])
+    with pytest.raises(checks.CheckError, match="Loop"):
+        fn = helper.make_function(
+            "custom",
+            "F",
+            ["x"],
+            ["y"],
+            [helper.make_node("Loop", ["", ""], ["y"], body=body)],
+            [helper.make_opsetid("", 18)],
+        )
+        checks.allowed_ops(_model([helper.make_node("F", ["x"], ["y"], domain="custom")], [fn]))
+    with pytest.raises(checks.CheckError, match="custom.Unknown"):
+        checks.allowed_ops(_model([helper.make_node("Unknown", ["x"], ["y"], domain="custom")]))
+
+
+def _external(location, length=4):
+    t = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1])
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", str(length))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    model = _model([helper.make_node("Add", ["x", "w"], ["y"])])
+    model.graph.initializer.append(t)
+    return model
+
+
+def test_external_paths(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "w.bin").write_bytes(b"\0" * 4)
+    (tmp_path / "outside.bin").write_bytes(b"\0" * 4)
+    os.symlink(tmp_path / "outside.bin", out / "link.bin")
+    checks.external_paths(_external("w.bin"), out)
+    for location in ("../outside.bin", str(tmp_path / "outside.bin"), "./w.bin", "sub/../w.bin"):
+        with pytest.raises(checks.CheckError, match="leaves the output folder"):
+            checks.external_paths(_external(location), out)
+    with pytest.raises(checks.CheckError, match="leaves the output folder|not a regular file"):
+        checks.external_paths(_external("link.bin"), out)
+    with pytest.raises(checks.CheckError, match="bytes up to 8"):
+        checks.external_paths(_external("w.bin", length=8), out)
+
+
+def test_checker_rejects_a_broken_graph():
+    model = _model([helper.make_node("Add", ["x", "missing"], ["y"])])
+    with pytest.raises(checks.CheckError, match="onnx.checker"):
+        checks.checker(model)
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    return open_checkpoint(default_checkpoint(tmp_path_factory.mktemp("cache") / "default"))
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    mode=st.sampled_from(sorted(graphs.DEFAULT_BLOCKING)),
+    batch=st.integers(1, 2),
+    seq_len=st.integers(1, 9),
+    ctx_len=st.integers(9, 40),
+    blocks=st.integers(1, 3),
+    layers=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_blocked_attention_graph_matches_dense_reference(
+    default_model, mode, batch, seq_len, ctx_len, blocks, layers, seed
+):
+    """onnxruntime on the exported blocked graph vs the dense `ref.attention.reference`."""
+    options = {
+        k: (
+            blocks if isinstance(v, int) and not isinstance(v, bool) and k != "headpar_split" else v
+        )
+        for k, v in graphs.DEFAULT_BLOCKING[mode].items()
+    }
+    shapes = {n: i.shape for n, i in default_model.tensors.items()}
+    try:
+        spec = graphs.attention_graph(
+            DEFAULT_CONFIG,
+            shapes,
+            name="a",
+            mode=mode,
+            options=options,
+            layers=layers,
+            batch_size=batch,
+            seq_len=seq_len,
+            ctx_len=ctx_len,
+        )
+    except graphs.GraphError:
+        assume(False)
+    model = trace(spec, default_model.tensors)
+    checks.allowed_ops(model)
+    checks.checker(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    weights = {n: default_model.read(n).astype(np.float32) for n in spec.weights}
+    feed = spec.sample(spec.specializations[0]["symbols"], np.random.default_rng(seed))
+    got = session.run(None, {**feed, **weights})
+    with graphs.layer_scope():
+        want = spec.reference(feed, weights)
+    for t, out in zip(spec.outputs, got, strict=True):
+        assert out.shape == want[t.name].shape
+        assert rel_err(out, want[t.name]) <= RTOL, (t.name, mode, options)
+
+
+@settings(max_examples=3, deadline=None)
+@given(cfg=vision_configs(max_layers=2), grid_list=grids(max_items=3), seed=st.integers(0, 99))
+def test_exported_vision_graph_matches_transformers(cfg, grid_list, seed, tmp_path_factory):
+    """The whole path: an HF model's weights saved as a checkpoint, `export`, onnxruntime on
+    the written folder vs transformers' `get_image_features` on the same images."""
+    assume(sum(h * w for h, w in grid_list) <= 70 * 9)
+    cfg = VisionConfig(**{**cfg.__dict__, "text_hidden_size": 20})
+    model = hf_full_model(cfg, seed, text_hidden=20)
+    state = {
+        n: t.detach().numpy().copy()
+        for n, t in model.state_dict().items()
+        if n.startswith(("model.vision_tower.", "model.embed_vision."))
+    }
+    root = tmp_path_factory.mktemp("hf")
+    save_checkpoint(root / "model", json.loads(model.config.to_json_string()), state)
+    export(
+        ExportOptions(
+            out=root / "out", model=root / "model", budgets=(70,), blocking=(), verify=False
+        )
+    )
+    rng = np.random.default_rng(seed)
+    patches = [rng.random((h * w, cfg.patch_dim), dtype=np.float32) for h, w in grid_list]
+    values, pos = hf_padded_inputs(patches, grid_list)
+    with torch.no_grad():
+        expected = model.get_image_features(values, pos).pooler_output
+    expected = np.concatenate([np.asarray(e) for e in expected])
+    packing = pack(grid_list, position_embedding_size=cfg.position_embedding_size, budget=70)
+    session = ort.InferenceSession(
+        str(root / "out" / "vision.onnx"), providers=["CPUExecutionProvider"]
+    )
+    (got,) = session.run(
+        None,
+        {
+            "pixel_patches": pack_patches(patches, grid_list, cfg.patch_dim, packing),
+            "positions": packing.positions,
+            "segment_ids": packing.segment_ids,
+            "pool_index": packing.pool_index,
+        },
+    )
+    assert got.shape == (70, 20)
+    assert rel_err(got[: packing.num_real_tokens], expected) <= RTOL
+
+
+def test_inputs_to_initializers_roundtrip(default_model):
+    """The verify-time binding of a `--weights inputs` graph names exactly the spec's bytes."""
+    spec = graphs.attention_graph(
+        DEFAULT_CONFIG,
+        {n: i.shape for n, i in default_model.tensors.items()},
+        name="a",
+        mode="kv",
+        options={"num_kv_blocks": 2},
+        layers=1,
+        batch_size=1,
+        seq_len=4,
+        ctx_len=16,
+    )
+    model = trace(spec, default_model.tensors)
+    ws = external.as_inputs(model, spec.weights, default_model.tensors, "a")
+    bound = external.inputs_to_initializers(
+        onnx.ModelProto.FromString(model.SerializeToString()), ws, default_model.tensors
+    )
+    names = {t.name for t in bound.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert names == set(spec.weights)
+    assert not names & {i.name for i in bound.graph.input}
