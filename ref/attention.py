@@ -52,7 +52,7 @@ def _step(state, q, k, v, mask, *, scale, softcap):
     if state is not None:
         m_new = jnp.maximum(state[0], m_new)
     # A row with no visible key yet has m' = −inf; shifting by 0 keeps exp() finite there.
-    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
     p = jnp.where(mask, jnp.exp(scores - shift), 0.0)
     pv = jnp.matmul(p.astype(q.dtype), v.astype(q.dtype)[:, :, None]).astype(acc)
     l_new = jnp.sum(p, axis=-1, keepdims=True)
@@ -66,7 +66,7 @@ def _step(state, q, k, v, mask, *, scale, softcap):
 def _merge(states):
     """Combine (m, l, O) states of disjoint KV pieces computed independently (head-parallel)."""
     m_all = functools.reduce(jnp.maximum, [m for m, _, _ in states])
-    shift = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+    shift = jnp.where(m_all > -jnp.inf, m_all, 0.0)
     weights = [jnp.exp(m - shift) for m, _, _ in states]
     l_all = sum(w * denom for w, (_, denom, _) in zip(weights, states, strict=True))
     o_all = sum(w * o for w, (_, _, o) in zip(weights, states, strict=True))
