@@ -14,8 +14,15 @@ from transformers.models.gemma4.modeling_gemma4 import (
     get_block_sequence_ids_for_mask,
 )
 
+from ref.attention import reference
 from ref.cache import scatter_positions
-from ref.gemma4.model import attention_for, chunk_bounds, image_runs
+from ref.gemma4.model import (
+    DECODE_MODES,
+    PREFILL_MODES,
+    attention_for,
+    chunk_bounds,
+    image_runs,
+)
 from ref.gemma4.text import (
     init_cache,
     merge_vision,
@@ -383,3 +390,26 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(whole), leaves(chunked), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mode, prefill",
+    [(m, True) for m in PREFILL_MODES] + [(m, False) for m in DECODE_MODES],
+)
+@settings(max_examples=2)
+@given(st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_default_block_options_fit_every_phase_shape(mode, prefill, batch, group, seq, seed):
+    """generate's default options for each mode are valid for any batch, chunk, GQA group and
+    cache length, and give the dense answer (float64, sliding window and vision runs on)."""
+    seq = seq if prefill else 1
+    ctx = seq + 3
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, 2 * group, seq, 8))
+    k, v = rng.standard_normal((2, batch, 2, ctx, 8))
+    q_pos = np.broadcast_to(np.arange(3, 3 + seq), (batch, seq))
+    kv_pos = np.broadcast_to(np.arange(ctx), (batch, ctx))
+    kv_group = np.where((kv_pos >= 2) & (kv_pos < 6), 2, -1)
+    args = dict(sliding_window=4, q_group=kv_group[:, 3 : 3 + seq], kv_group=kv_group, scale=1.0)
+    attention = attention_for(mode, prefill=prefill, batch=batch, queries=seq, ctx_len=ctx)
+    got = attention(q, k, v, q_pos, kv_pos, **args)
+    np.testing.assert_allclose(got, reference(q, k, v, q_pos, kv_pos, **args), rtol=1e-12)

@@ -65,12 +65,8 @@ def vision_runs(is_vision, positions, cache_group):
     continues = at_first & (carried[:, None] >= 0)
     starts = jnp.where(is_vision & ~prev_vision, positions, -1)
     starts = jnp.where(is_vision & continues, carried[:, None], starts)
-    return jnp.where(is_vision, lax_cummax(starts), -1).astype(jnp.int32)
-
-
-def lax_cummax(x):
-    """Running maximum along axis 1. x: [B, S] → [B, S]."""
-    return jax.lax.cummax(x, axis=1)
+    # run starts only grow along the row, so a token's run is the latest start before it
+    return jnp.where(is_vision, jax.lax.cummax(starts, axis=1), -1).astype(jnp.int32)
 
 
 def merge_vision(embeds, is_image, vision_embeds, image_idx):
@@ -310,9 +306,11 @@ class TextModel(nn.Module):
         # as transformers: placeholders embed (and per-layer-embed) as the pad token
         ids = jnp.where(placeholder, c.pad_token_id, input_ids)
         x = Embedding(c.vocab_size, c.hidden_size, c.hidden_size**0.5, name="embed_tokens")(ids)
-        is_image = placeholder & (positions >= 0) & (vision_embeds is not None)
+        # decode steps (no vision_embeds) merge nothing and open no vision run
+        is_image = jnp.zeros(input_ids.shape, bool)
         image_idx_out = None
         if vision_embeds is not None:
+            is_image = placeholder & (positions >= 0)
             x, image_idx_out = merge_vision(x, is_image, vision_embeds, image_idx)
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
