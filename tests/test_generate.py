@@ -108,3 +108,19 @@ def test_generate_rejects_mismatched_images():
         ours.generate_embedded(ids, [np.zeros((2, 32))], max_new_tokens=2, chunk_size=0)
     with pytest.raises(ValueError, match="lengths"):
         ours.generate_embedded(ids, [np.zeros((2, 32))], max_new_tokens=2, lengths=[99])
+
+
+def test_from_pretrained_reads_a_saved_transformers_model(tmp_path):
+    """save_pretrained (tied lm_head dropped, safetensors) → Gemma4.from_pretrained → the same
+    greedy tokens as transformers."""
+    hf, _ = _models(False)
+    hf.save_pretrained(tmp_path)
+    ours = Gemma4.from_pretrained(tmp_path)
+    assert ours.lm_head is None  # tied: read from embed_tokens
+    rng = np.random.default_rng(5)
+    grids = [(6, 3)]
+    patches = patches_for(grids, rng, 12)
+    row = prompt(rng, 9, [2], 96)
+    want, _ = hf_generate(hf, row, patches, grids, NEW_TOKENS)
+    got = ours.generate(row[None], patches, grids, max_new_tokens=NEW_TOKENS, chunk_size=4)
+    np.testing.assert_array_equal(got[0], want)
