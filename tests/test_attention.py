@@ -142,7 +142,7 @@ def cases(draw):
     return shapes, mode, opts, extra
 
 
-@settings(max_examples=70)
+@settings(max_examples=50)
 @given(
     cases(),
     st.sampled_from([np.float64, np.float32]),
@@ -166,8 +166,8 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
     assert rel_err(got, want) <= TOL[dtype], (mode, opts)
 
 
-@settings(max_examples=12)
-@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
+@settings(max_examples=8)
+@given(st.sampled_from([1, 5]), st.sampled_from([3, 6]), st.integers(0, 2**32 - 1))
 def test_reference_padding_rows_are_zero_and_dense_oracle(s, t, seed):
     """Rows no key is visible to are exactly zero; every other row is the float64 softmax."""
     rng = np.random.default_rng(seed)
