@@ -354,8 +354,9 @@ def test_unknown_blocking_mode_is_refused():
 @settings(max_examples=3)
 @given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]))
 def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
-    """Prefill in chunks (2 rows, different prompts) leaves the same cache and last logits as
-    one whole step, in float64 (so any difference is a bug, not rounding)."""
+    """Prefill in chunks (2 rows, different prompts, padding columns on either side) leaves the
+    same cache and last logits as one whole step, in float64 (a difference is a bug, not
+    rounding)."""
     model = hf_model(text, seed % 1000)
     tree = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, jnp.float64), tree_of(model.state_dict())
@@ -368,16 +369,18 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
     ctx = width + 2
     lm, head = tree["model"]["language_model"], tree["lm_head"]["weight"]
 
-    def run(bounds):
+    def run(bounds, pad=0):
+        """pad: extra −1 columns per step, the chunk placed at a random offset among them."""
         cache, idx = init_cache(config, 2, ctx, jnp.float64), jnp.zeros((2, 1), jnp.int32)
         last = [None, None]
-        seq = max(e - s for b in bounds for s, e in b)
+        seq = max(e - s for b in bounds for s, e in b) + pad
         for k in range(max(map(len, bounds))):
             ids, pos = np.zeros((2, seq), np.int32), np.full((2, seq), -1, np.int32)
             for i, b in enumerate(bounds):
                 if k < len(b):
                     s, e = b[k]
-                    ids[i, : e - s], pos[i, : e - s] = rows[i][s:e], np.arange(s, e)
+                    o = int(rng.integers(0, seq - (e - s) + 1))
+                    ids[i, o : o + e - s], pos[i, o : o + e - s] = rows[i][s:e], np.arange(s, e)
             out = step(lm, head, cache, ids, pos, vision, idx, config=config, last_only=True)
             cache, idx = out["cache"], out["image_idx"]
             for i, b in enumerate(bounds):
@@ -386,7 +389,7 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
         return cache, idx, jnp.stack(last)
 
     whole = run([[(0, len(r))] for r in rows])
-    chunked = run([chunk_bounds(len(r), image_runs(r, IMAGE), chunk) for r in rows])
+    chunked = run([chunk_bounds(len(r), image_runs(r, IMAGE), chunk) for r in rows], pad=2)
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(whole), leaves(chunked), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12)
