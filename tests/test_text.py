@@ -15,6 +15,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from ref.attention import reference
+from ref.blocking import BlockingConfig
 from ref.cache import scatter_positions
 from ref.gemma4.model import (
     DECODE_MODES,
@@ -416,3 +417,14 @@ def test_default_block_options_fit_every_phase_shape(mode, prefill, batch, group
     attention = attention_for(mode, prefill=prefill, batch=batch, queries=seq, ctx_len=ctx)
     got = attention(q, k, v, q_pos, kv_pos, **args)
     np.testing.assert_allclose(got, reference(q, k, v, q_pos, kv_pos, **args), rtol=1e-12)
+
+
+def test_blocking_config_gives_its_own_options_to_its_phase():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 1, 2, 5, 8))
+    pos = np.arange(5)[None]
+    config = BlockingConfig(mode="prefill_kv", num_kv_blocks=3)
+    attention = attention_for(config, prefill=True, batch=1, queries=5, ctx_len=5)
+    np.testing.assert_allclose(attention(q, k, v, pos, pos), reference(q, k, v, pos, pos))
+    with pytest.raises(ValueError, match="expected a decode mode"):
+        attention_for(config, prefill=False, batch=1, queries=1, ctx_len=5)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ref.attention import blocked, reference
+from ref.blocking import BlockingConfig
 from ref.gemma4.text import init_cache, step
 from ref.gemma4.text_config import TextConfig
 
@@ -25,11 +26,17 @@ _BLOCKS = {"kv": 4, "q": 2, "b": 2}
 def attention_for(mode, *, prefill, batch, queries, ctx_len):
     """The attention function of one phase: `reference`, or `blocked` in a QEfficient mode.
 
-    mode: None (dense), a prefill mode of PREFILL_MODES, or a decode mode of DECODE_MODES;
+    mode: None (dense), a prefill mode of PREFILL_MODES or a decode mode of DECODE_MODES
+    (default block counts), or a `ref.blocking.BlockingConfig` of the phase (its own options);
     batch, queries, ctx_len: the phase's B, S and cache length (to clip the block counts).
     """
     if mode is None:
         return reference
+    if isinstance(mode, BlockingConfig):
+        if mode.mode.startswith("prefill_") != prefill:
+            phase = "prefill" if prefill else "decode"
+            raise ValueError(f"{phase}_blocking={mode!r}: expected a {phase} mode")
+        return partial(blocked, config=mode)
     modes = PREFILL_MODES if prefill else DECODE_MODES
     if mode not in modes:
         phase = "prefill" if prefill else "decode"
@@ -175,8 +182,9 @@ class Gemma4:
 
         images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
         chunk_size: None prefills each prompt in one step, else at most chunk_size tokens
-        per step (image runs are never split, see `chunk_bounds`); prefill_blocking: None or
-        one of PREFILL_MODES; decode_blocking: None or one of DECODE_MODES.
+        per step (image runs are never split, see `chunk_bounds`); prefill_blocking: None,
+        one of PREFILL_MODES or a prefill BlockingConfig; decode_blocking: None, one of
+        DECODE_MODES or a decode BlockingConfig (see `attention_for`).
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
