@@ -12,6 +12,7 @@ QEfficient publishes 65–568 s per graph for Gemma 4 E2B.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -98,6 +99,11 @@ def write_sparse_checkpoint(folder):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--keep", type=Path, help="write here instead of a temporary folder")
+    p.add_argument(
+        "--compare-inline",
+        action="store_true",
+        help="then export again with --no-subfunctions and print both",
+    )
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="export-bench-")) if args.keep is None else args.keep
     model = root / "model"
@@ -130,6 +136,20 @@ def main():
     print(f"export wall time {wall:.1f} s (goal < 20 s; QEfficient: 65-568 s per graph)")
     print(f"peak RSS {peak_mb:.0f} MB (goal < 1024 MB)")
     print(f"weight bytes copied: {manifest['bytes_copied']} (must be 0)")
+    if args.compare_inline:
+        inline_opts = dataclasses.replace(opts, out=root / "inline", sub_functions=False)
+        start = time.perf_counter()
+        inline = export(inline_opts, log=lambda m: print(m, file=sys.stderr))
+        inline_wall = time.perf_counter() - start
+        print(
+            f"{'layers as':<16}{'export s':>9}"
+            + "".join(f"{g['name'] + ' MB':>18}" for g in manifest["graphs"])
+        )
+        for label, m, w in (("ONNX functions", manifest, wall), ("inlined", inline, inline_wall)):
+            print(
+                f"{label:<16}{w:>9.1f}"
+                + "".join(f"{g['onnx_bytes'] / 1e6:>18.2f}" for g in m["graphs"])
+            )
     return 0 if manifest["bytes_copied"] == 0 else 1
 
 

@@ -192,21 +192,29 @@ def vision_param_shapes(cfg):
 EMBED_VISION = "model.embed_vision.embedding_projection.weight"
 
 
+def embed_vision_name(prefix):
+    """The embed_vision projection's name beside a tower under `prefix`."""
+    return prefix.replace("vision_tower.", "embed_vision.") + "embedding_projection.weight"
+
+
+def _subtree(params, prefix):
+    for key in prefix.rstrip(".").split(".") if prefix else ():
+        params = params[key]
+    return params
+
+
 def _vision_forward(cfg, prefix, names, use_functions, embed):
     """fn(patches, positions, segment_ids, pool_index, *weights) → (embeddings,)."""
 
     def fn(patches, positions, segment_ids, pool_index, *weights):
         params = nest(names, weights)
-        tower = params
-        for key in prefix.rstrip(".").split(".") if prefix else ():
-            tower = tower[key]
         with nn.intercept_methods(_route_layers(V.EncoderLayer, use_functions)):
             out = V.VisionModel(cfg).apply(
-                {"params": tower}, patches, positions, segment_ids, pool_index
+                {"params": _subtree(params, prefix)}, patches, positions, segment_ids, pool_index
             )
         pooled = out["pooled"]
         if embed:
-            w = params["model"]["embed_vision"]
+            w = _subtree(params, embed_vision_name(prefix).rsplit(".", 2)[0])
             pooled = V.EmbedVision(cfg).apply({"params": w}, pooled)
         return (pooled,)
 
@@ -255,9 +263,9 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
     if prefix is None:
         raise GraphError("no vision tower: missing tensor 'patch_embedder.input_proj.weight'")
     expected = {prefix + n: s for n, s in vision_param_shapes(cfg).items()}
-    embed = cfg.text_hidden_size is not None and EMBED_VISION in tensor_shapes
+    embed = prefix != "" and cfg.text_hidden_size is not None
     if embed:
-        expected[EMBED_VISION] = (cfg.text_hidden_size, cfg.hidden_size)
+        expected[embed_vision_name(prefix)] = (cfg.text_hidden_size, cfg.hidden_size)
     _require(tensor_shapes, expected)
     names = tuple(sorted(expected))
     k2 = cfg.pooling_kernel_size**2
