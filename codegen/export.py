@@ -84,10 +84,9 @@ def plan(checkpoint, opts):
                 checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
             )
         )
-    text = graphs.text_dims(checkpoint.config) if "text_config" in checkpoint.config else None
-    has_text = graphs.TEXT_LAYER.format(i=0, proj="q_proj") in shapes
+    uniform = graphs.uniform_attention_layers(checkpoint.config, shapes)
     seen = {}
-    for mode, options in opts.blocking if text and has_text else ():
+    for mode, options in opts.blocking if uniform else ():
         seen[mode] = seen.get(mode, 0) + 1
         name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
         specs.append(
@@ -97,7 +96,7 @@ def plan(checkpoint, opts):
                 name=name,
                 mode=mode,
                 options=options,
-                layers=opts.attention_layers or text[4],
+                layers=opts.attention_layers or uniform,
                 batch_size=opts.batch_size,
                 seq_len=opts.seq_len,
                 ctx_len=opts.ctx_len,

@@ -447,6 +447,30 @@ def text_dims(checkpoint_config):
     return tuple(int(text[k]) for k in keys) + (int(text.get("num_hidden_layers", 0)),)
 
 
+def _projection_shapes(d, heads, kv_heads, hd):
+    return {
+        "q_proj": (heads * hd, d),
+        "k_proj": (kv_heads * hd, d),
+        "v_proj": (kv_heads * hd, d),
+        "o_proj": (d, heads * hd),
+    }
+
+
+def uniform_attention_layers(checkpoint_config, tensor_shapes):
+    """How many leading text layers have q/k/v/o projections of the config's head layout
+    (Gemma 4's full-attention layers may use other head sizes or share k and v)."""
+    dims = text_dims(checkpoint_config)
+    if dims is None:
+        return 0
+    want = _projection_shapes(*dims[:4])
+    n = 0
+    while all(
+        tuple(tensor_shapes.get(TEXT_LAYER.format(i=n, proj=p), ())) == s for p, s in want.items()
+    ):
+        n += 1
+    return n
+
+
 def attention_graph(
     checkpoint_config,
     tensor_shapes,
@@ -479,13 +503,11 @@ def attention_graph(
             blocking.plan(batch_size, heads, kv_heads, seq_len, ctx_len)
     except ValueError as e:
         raise GraphError(f"blocking {mode!r} {options}: {e}") from e
-    shapes = {
-        "q_proj": (heads * hd, d),
-        "k_proj": (kv_heads * hd, d),
-        "v_proj": (kv_heads * hd, d),
-        "o_proj": (d, heads * hd),
+    expected = {
+        TEXT_LAYER.format(i=i, proj=p): s
+        for i in range(layers)
+        for p, s in _projection_shapes(d, heads, kv_heads, hd).items()
     }
-    expected = {TEXT_LAYER.format(i=i, proj=p): s for i in range(layers) for p, s in shapes.items()}
     _require(tensor_shapes, expected)
     names = tuple(sorted(expected))
     fold = blocking is not None and blocking.batch_fold

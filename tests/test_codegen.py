@@ -298,3 +298,25 @@ def test_default_checkpoint_is_written_once(tmp_path):
     assert set(tensors) == set(again)
     for name, arr in again.items():
         assert np.array_equal(tensors[name].view(np.uint16), arr.view(np.uint16)), name
+
+
+def test_sharded_checkpoint_links_every_shard(tmp_path):
+    folder = tmp_path / "sharded"
+    save_checkpoint(folder, DEFAULT_CONFIG, default_tensors(), max_shard_bytes=40_000)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1
+    out = tmp_path / "out"
+    export(small(out, folder))
+    m = manifest(out)
+    assert sorted(s["file"] for s in m["shards"]) == shards and m["bytes_copied"] == 0
+    for name in shards:
+        assert os.stat(out / name).st_ino == os.stat(folder / name).st_ino
+    assert (out / "model.safetensors.index.json").is_file()
+    used = set()
+    for g in m["graphs"]:
+        model = onnx.load(out / g["file"], load_external_data=False)
+        used |= {
+            e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"
+        }
+    assert len(used) > 1
+    assert all(ok for *_, ok in verify(out))
