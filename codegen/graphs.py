@@ -169,8 +169,9 @@ def _route_layers(layer_type, use_functions, multi=False):
 
 
 def vision_prefix(tensor_names):
-    """ "model.vision_tower." for a full Gemma 4 checkpoint, "" for a saved vision model."""
-    for prefix in ("model.vision_tower.", ""):
+    """Where the tower's names start: "model.vision_tower." in a full Gemma 4 checkpoint
+    ("vision_tower." in some saves), "" in a saved vision model; None without a tower."""
+    for prefix in ("model.vision_tower.", "vision_tower.", ""):
         if prefix + "patch_embedder.input_proj.weight" in tensor_names:
             return prefix
     return None

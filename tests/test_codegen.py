@@ -320,3 +320,19 @@ def test_sharded_checkpoint_links_every_shard(tmp_path):
         }
     assert len(used) > 1
     assert all(ok for *_, ok in verify(out))
+
+
+def test_tower_saved_without_model_prefix(tmp_path):
+    tensors = {
+        n.removeprefix("model."): a
+        for n, a in default_tensors().items()
+        if n.startswith(("model.vision_tower.", "model.embed_vision."))
+    }
+    folder = tmp_path / "unprefixed"
+    save_checkpoint(folder, DEFAULT_CONFIG, tensors)
+    out = tmp_path / "out"
+    export(small(out, folder))
+    (graph,) = manifest(out)["graphs"]
+    assert graph["outputs"][0]["name"] == "vision_embeds"
+    assert "embed_vision.embedding_projection.weight" in graph["weights"]
+    assert all(ok for *_, ok in verify(out))
