@@ -47,21 +47,22 @@ def batches(draw, batch):
 
 
 # Every chunk size, every prefill mode and several decode modes, each phase's blocking on
-# its own, batch 1 and 3, dense and MoE — one generation each.
+# its own, batch 1 and 3, dense and MoE, linear and ring sliding caches — one generation each.
+# (moe, batch, chunk, prefill, decode, sliding layers in a ring)
 CASES = [
-    (False, 1, None, None, None),
-    (False, 3, 7, "q", "kv"),
-    (False, 1, 1, "kv", "hqkv"),
-    (True, 3, 1, "online", "bhqkv"),
-    (True, 1, 32, "qkv", "qkv"),
-    (True, 3, 7, None, "hkv"),
+    (False, 1, None, None, None, False),
+    (False, 3, 7, "q", "kv", True),
+    (False, 1, 1, "kv", "hqkv", False),
+    (True, 3, 1, "online", "bhqkv", True),
+    (True, 1, 32, "qkv", "qkv", False),
+    (True, 3, 7, None, "hkv", False),
 ]
 
 
-@pytest.mark.parametrize("moe, batch, chunk, prefill, decode", CASES)
+@pytest.mark.parametrize("moe, batch, chunk, prefill, decode, ring", CASES)
 @settings(max_examples=1)
 @given(data=st.data())
-def test_greedy_tokens_equal_transformers(moe, batch, chunk, prefill, decode, data):
+def test_greedy_tokens_equal_transformers(moe, batch, chunk, prefill, decode, ring, data):
     hf, ours = _models(moe)
     rows, seed = data.draw(batches(batch))
     rng = np.random.default_rng(seed)
@@ -89,6 +90,7 @@ def test_greedy_tokens_equal_transformers(moe, batch, chunk, prefill, decode, da
         prefill_blocking=prefill,
         decode_blocking=decode,
         lengths=lengths,
+        sliding_ring=ring,
     )
     assert got.shape == (batch, NEW_TOKENS)
     np.testing.assert_array_equal(got, np.stack(want))

@@ -353,11 +353,12 @@ def test_unknown_blocking_mode_is_refused():
 
 
 @settings(max_examples=3)
-@given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]))
-def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
-    """Prefill in chunks (2 rows, different prompts, padding columns on either side) leaves the
-    same cache and last logits as one whole step, in float64 (a difference is a bug, not
-    rounding)."""
+@given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]), st.booleans())
+def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
+    """Prefill in chunks (2 rows, different prompts, padding columns on either side, sliding
+    layers in a ring or not) leaves the same positions, run ids, image index and last logits
+    (and without the ring the same keys/values) as one whole step, in float64 (a difference
+    is a bug, not rounding)."""
     model = hf_model(text, seed % 1000)
     tree = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, jnp.float64), tree_of(model.state_dict())
@@ -370,9 +371,10 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
     ctx = width + 2
     lm, head = tree["model"]["language_model"], tree["lm_head"]["weight"]
 
-    def run(bounds, pad=0):
+    def run(bounds, pad=0, ring=False):
         """pad: extra −1 columns per step, the chunk placed at a random offset among them."""
-        cache, idx = init_cache(config, 2, ctx, jnp.float64), jnp.zeros((2, 1), jnp.int32)
+        cache = init_cache(config, 2, ctx, jnp.float64, ring=ring)
+        idx = jnp.zeros((2, 1), jnp.int32)
         last = [None, None]
         seq = max(e - s for b in bounds for s, e in b) + pad
         for k in range(max(map(len, bounds))):
@@ -387,10 +389,14 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk):
             for i, b in enumerate(bounds):
                 if k == len(b) - 1:
                     last[i] = out["logits"][i, 0]
-        return cache, idx, jnp.stack(last)
+        kept = ("pos", "group") if ring else ("pos", "group", "k", "v")
+        return {key: cache[key] for key in kept}, idx, jnp.stack(last)
 
     whole = run([[(0, len(r))] for r in rows])
-    chunked = run([chunk_bounds(len(r), image_runs(r, IMAGE), chunk) for r in rows], pad=2)
+    bounds = [chunk_bounds(len(r), image_runs(r, IMAGE), chunk) for r in rows]
+    chunked = run(bounds, pad=2, ring=ring)
+    if ring:
+        whole = ({key: whole[0][key] for key in chunked[0]}, *whole[1:])
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(whole), leaves(chunked), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12)

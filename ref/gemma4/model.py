@@ -144,6 +144,7 @@ class Gemma4:
         prefill_blocking=None,
         decode_blocking=None,
         lengths=None,
+        sliding_ring=False,
     ):
         """Greedy generation → [B, max_new_tokens] int token ids.
 
@@ -165,6 +166,7 @@ class Gemma4:
             prefill_blocking=prefill_blocking,
             decode_blocking=decode_blocking,
             lengths=lengths,
+            sliding_ring=sliding_ring,
         )
 
     def generate_embedded(
@@ -177,6 +179,7 @@ class Gemma4:
         prefill_blocking=None,
         decode_blocking=None,
         lengths=None,
+        sliding_ring=False,
     ):
         """Greedy generation from images already embedded → [B, max_new_tokens] int ids.
 
@@ -184,7 +187,8 @@ class Gemma4:
         chunk_size: None prefills each prompt in one step, else at most chunk_size tokens
         per step (image runs are never split, see `chunk_bounds`); prefill_blocking: None,
         one of PREFILL_MODES or a prefill BlockingConfig; decode_blocking: None, one of
-        DECODE_MODES or a decode BlockingConfig (see `attention_for`).
+        DECODE_MODES or a decode BlockingConfig (see `attention_for`); sliding_ring: keep
+        sliding layers' keys in a ring of sliding_window slots (see `init_cache`).
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -203,10 +207,12 @@ class Gemma4:
         seq = max(e - s for bounds in schedule for s, e in bounds)
         run = partial(step, self.params, self.lm_head, config=self.config, last_only=True)
 
+        # block counts must fit the shortest key axis any layer attends over
+        ring = min(self.config.sliding_window, ctx_len) if sliding_ring else ctx_len
         prefill = attention_for(
-            prefill_blocking, prefill=True, batch=b, queries=seq, ctx_len=ctx_len
+            prefill_blocking, prefill=True, batch=b, queries=seq, ctx_len=min(ctx_len, ring + seq)
         )
-        cache = init_cache(self.config, b, ctx_len, self.dtype)
+        cache = init_cache(self.config, b, ctx_len, self.dtype, ring=sliding_ring)
         image_idx = None if vision_embeds is None else jnp.zeros((b, 1), jnp.int32)
         last_logits = [None] * b
         for k in range(max(len(s) for s in schedule)):
@@ -230,7 +236,9 @@ class Gemma4:
                 if k == len(bounds) - 1:
                     last_logits[i] = out["logits"][i, 0]
 
-        decode = attention_for(decode_blocking, prefill=False, batch=b, queries=1, ctx_len=ctx_len)
+        decode = attention_for(
+            decode_blocking, prefill=False, batch=b, queries=1, ctx_len=min(ctx_len, ring + 1)
+        )
         token = jnp.argmax(jnp.stack(last_logits), axis=-1).astype(jnp.int32)
         tokens = [token]
         position = jnp.asarray(lengths, jnp.int32)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ref.attention import reference
-from ref.cache import scatter_positions, update
+from ref.cache import rolling_slots, scatter, scatter_positions, update, window_keys
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.gemma4.vision import RMSNorm, Weight
 from ref.layers import gated_mlp, gelu_tanh, linear, rms_norm
@@ -136,15 +136,18 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, positions, kv, mask_args, attention):
-        """x: [B, S, D]; positions: [B, S]; kv: (k, v) [B, Hkv, T, hd] — this layer's cache
-        to write, or (KV-sharing consumer) its producer's, already written → (out, kv)."""
+    def __call__(self, x, positions, kv, mask_args, attention, write):
+        """x: [B, S, D]; positions: [B, S]; kv: this layer's cache (k, v), or a KV-sharing
+        consumer's producer's keys/values as the producer attended to them; write(kv, k, v)
+        [B, Hkv, S, hd] → (stored cache, keys/values to attend to)
+        → (out [B, S, D], stored cache or None, attended (k, v))."""
         c, i = self.config, self.layer
         b, s, _ = x.shape
         hd, heads, kv_heads = c.head_dims[i], c.num_attention_heads, c.kv_heads[i]
         inv_freq = rope_inv_freq(c.rope_for(c.layer_types[i]), hd)
         q = _project(x, "q_proj", heads * hd).reshape(b, s, heads, hd)
         q = apply_rope(RMSNorm(c.rms_norm_eps, name="q_norm")(q), positions, inv_freq)
+        stored = None
         if not c.shares_kv(i):
             k = _project(x, "k_proj", kv_heads * hd).reshape(b, s, kv_heads, hd)
             # attention_k_eq_v: full layers have no v_proj; values are the raw key projection
@@ -152,10 +155,10 @@ class Attention(nn.Module):
             v = k if k_eq_v else _project(x, "v_proj", kv_heads * hd).reshape(b, s, kv_heads, hd)
             k = apply_rope(RMSNorm(c.rms_norm_eps, name="k_norm")(k), positions, inv_freq)
             v = rms_norm(v, None, c.rms_norm_eps)
-            kv = update(*kv, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), positions)
+            stored, kv = write(kv, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
         out = attention(jnp.swapaxes(q, 1, 2), kv[0], kv[1], **mask_args, scale=1.0)
         out = jnp.swapaxes(out, 1, 2).reshape(b, s, heads * hd)
-        return _project(out, "o_proj", c.hidden_size), kv
+        return _project(out, "o_proj", c.hidden_size), stored, kv
 
 
 class MLP(nn.Module):
@@ -214,12 +217,13 @@ class DecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, per_layer_input, positions, kv, mask_args, attention):
-        """x: [B, S, D]; per_layer_input: [B, S, P] or None → (x [B, S, D], kv)."""
+    def __call__(self, x, per_layer_input, positions, kv, mask_args, attention, write):
+        """x: [B, S, D]; per_layer_input: [B, S, P] or None; the rest as `Attention`
+        → (x [B, S, D], stored cache or None, attended (k, v))."""
         c = self.config
         norm = partial(RMSNorm, c.rms_norm_eps)
-        h, kv = Attention(c, self.layer, name="self_attn")(
-            norm(name="input_layernorm")(x), positions, kv, mask_args, attention
+        h, stored, kv = Attention(c, self.layer, name="self_attn")(
+            norm(name="input_layernorm")(x), positions, kv, mask_args, attention, write
         )
         x = x + norm(name="post_attention_layernorm")(h)
         h = MLP(c, self.layer, name="mlp")(norm(name="pre_feedforward_layernorm")(x))
@@ -237,51 +241,109 @@ class DecoderLayer(nn.Module):
             h = _project(h * per_layer_input, "per_layer_projection", c.hidden_size)
             x = x + norm(name="post_per_layer_input_norm")(h)
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,))
-        return x * scalar.astype(x.dtype), kv
+        return x * scalar.astype(x.dtype), stored, kv
 
 
-def init_cache(config, batch, ctx_len, dtype=jnp.float32):
+def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False):
     """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
 
+    ring: sliding-window layers keep only a ring of W = min(sliding_window, ctx_len) slots
+    (position p in slot p mod W), as a deployment would.
     → {"pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 = text),
-    "k": {layer: [B, Hkv, T, hd]}, "v": {layer: [B, Hkv, T, hd]}} (layer keys are str(i)).
+    "k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and with ring
+    "ring_pos", "ring_group": [B, W]}.
     """
     c = config
-    shape = lambda i: (batch, c.kv_heads[i], ctx_len, c.head_dims[i])  # noqa: E731
+    window = min(c.sliding_window, ctx_len)
+
+    def shape(i):
+        slots = window if ring and c.layer_types[i] == SLIDING else ctx_len
+        return (batch, c.kv_heads[i], slots, c.head_dims[i])
+
     owners = [i for i in range(c.num_hidden_layers) if not c.shares_kv(i)]
-    return {
+    cache = {
         "pos": jnp.full((batch, ctx_len), -1, jnp.int32),
         "group": jnp.full((batch, ctx_len), -1, jnp.int32),
         "k": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
         "v": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
     }
+    if ring:
+        cache["ring_pos"] = jnp.full((batch, window), -1, jnp.int32)
+        cache["ring_group"] = jnp.full((batch, window), -1, jnp.int32)
+    return cache
+
+
+def linear_memory(cache, positions, groups):
+    """Slot = position: (cache with the step's positions and run ids recorded, the keys'
+    {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
+
+    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd].
+    """
+    pos = scatter_positions(cache["pos"], positions, positions)
+    group = scatter_positions(cache["group"], groups, positions)
+
+    def write(kv, k, v):
+        stored = update(*kv, k, v, positions)
+        return stored, stored
+
+    return dict(cache, pos=pos, group=group), {"kv_pos": pos, "kv_group": group}, write
+
+
+def ring_memory(cache, positions, groups):
+    """Sliding layers in a ring of W slots: like `linear_memory`, but a step attends to the
+    ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos", "kv_group"}
+    [B, W + S]) and then the ring keeps each row's last W positions.
+    """
+    ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
+    slots = rolling_slots(positions, ring_pos.shape[1])
+
+    def write(kv, k, v):
+        k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
+        return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
+
+    seen = {
+        "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
+        "kv_group": jnp.concatenate([ring_group, groups.astype(ring_group.dtype)], axis=1),
+    }
+    cache = dict(
+        cache,
+        ring_pos=scatter_positions(ring_pos, positions, slots),
+        ring_group=scatter_positions(ring_group, groups, slots),
+    )
+    return cache, seen, write
 
 
 class Layers(nn.Module):
     """`layers`: decoder layers named "0", "1", … as in the checkpoint.
 
     __call__(x [B, S, D], per_layer [B, S, L, P] or None, positions [B, S], keys, values
-    ({layer: [B, Hkv, T, hd]} of the cache-owning layers), mask_args per layer type,
-    attention) → (x, keys, values, hidden_states: the input then every layer's output).
+    ({layer: [B, Hkv, T, hd]} of the cache-owning layers), and per layer type: mask_args,
+    write (see `Attention`); attention) → (x, keys, values, hidden_states: the input then
+    every layer's output).
     """
 
     config: TextConfig
 
     @nn.compact
-    def __call__(self, x, per_layer, positions, keys, values, mask_args, attention):
+    def __call__(self, x, per_layer, positions, keys, values, mask_args, writes, attention):
         c = self.config
         keys, values = dict(keys), dict(values)
+        attended = {}  # what each producer attended to: its consumers attend to the same
         states = [x]
         for i in range(c.num_hidden_layers):
-            src = str(c.kv_source[i])  # KV-sharing consumers read their producer's cache
-            x, (keys[src], values[src]) = DecoderLayer(c, i, name=str(i))(
+            src, kind = str(c.kv_source[i]), c.layer_types[i]
+            kv = attended[src] if c.shares_kv(i) else (keys[src], values[src])
+            x, stored, kv = DecoderLayer(c, i, name=str(i))(
                 x,
                 None if per_layer is None else per_layer[:, :, i],
                 positions,
-                (keys[src], values[src]),
-                mask_args[c.layer_types[i]],
+                kv,
+                mask_args[kind],
                 attention,
+                writes[kind],
             )
+            if stored is not None:
+                (keys[src], values[src]), attended[src] = stored, kv
             states.append(x)
         return x, keys, values, tuple(states)
 
@@ -316,18 +378,22 @@ class TextModel(nn.Module):
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
         groups = vision_runs(is_image, positions, cache["group"])
-        cache = dict(
-            cache,
-            pos=scatter_positions(cache["pos"], positions, positions),
-            group=scatter_positions(cache["group"], groups, positions),
-        )
-        mask_args = {FULL: dict(q_pos=positions, kv_pos=cache["pos"])}
-        mask_args[SLIDING] = dict(mask_args[FULL], sliding_window=c.sliding_window)
+        cache, full, full_write = linear_memory(cache, positions, groups)
+        sliding, sliding_write = full, full_write
+        if "ring_pos" in cache:
+            cache, sliding, sliding_write = ring_memory(cache, positions, groups)
+        mask_args = {
+            FULL: dict(q_pos=positions, kv_pos=full["kv_pos"]),
+            SLIDING: dict(
+                q_pos=positions, kv_pos=sliding["kv_pos"], sliding_window=c.sliding_window
+            ),
+        }
         if c.bidirectional_vision:
-            mask_args[SLIDING].update(q_group=groups, kv_group=cache["group"])
+            mask_args[SLIDING].update(q_group=groups, kv_group=sliding["kv_group"])
+        writes = {FULL: full_write, SLIDING: sliding_write}
 
         x, keys, values, states = Layers(c, name="layers")(
-            x, per_layer, positions, cache["k"], cache["v"], mask_args, attention
+            x, per_layer, positions, cache["k"], cache["v"], mask_args, writes, attention
         )
         x = RMSNorm(c.rms_norm_eps, name="norm")(x)
         return x, dict(cache, k=keys, v=values), image_idx_out, tuple(states)
