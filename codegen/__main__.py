@@ -120,7 +120,7 @@ def parser():
         "--kv-dtype",
         default="float16",
         help="retained KV cache precision in "
-        "custom_io.yaml: float16, float32, mxint8, bfloat16 (default float16)",
+        "custom_io.yaml: float16 (fp16), float32 (fp32), mxint8, bfloat16 (bf16); default float16",
     )
     e.add_argument("--num-cores", type=int, default=16, help="-aic-num-cores (default 16)")
     e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")

@@ -127,7 +127,7 @@ def _concrete(model, spec, symbols):
 
 
 def abstract_inputs(spec, symbols):
-    """jax.ShapeDtypeStruct per graph input and weight (float32) at one specialization."""
+    """jax.ShapeDtypeStruct per graph input (not weights) at one specialization."""
     return [jax.ShapeDtypeStruct(t.concrete(symbols), t.dtype) for t in spec.inputs]
 
 

@@ -61,8 +61,11 @@ class ExportOptions:
         """Raise ExportError for an option value no export could use."""
         if self.weights not in ("external", "inputs"):
             raise ExportError(f"--weights {self.weights!r}: expected 'external' or 'inputs'")
-        if self.kv_dtype not in qaic.KV_DTYPES:
-            raise ExportError(f"--kv-dtype {self.kv_dtype!r}: expected one of {qaic.KV_DTYPES}")
+        if qaic.KV_ALIASES.get(self.kv_dtype, self.kv_dtype) not in qaic.KV_DTYPES:
+            raise ExportError(
+                f"--kv-dtype {self.kv_dtype!r}: expected one of {qaic.KV_DTYPES} "
+                f"(or {sorted(qaic.KV_ALIASES)})"
+            )
         for name in ("batch_size", "seq_len", "ctx_len", "num_cores"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")

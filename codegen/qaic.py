@@ -10,6 +10,7 @@ import json
 import shlex
 
 KV_DTYPES = ("float16", "float32", "mxint8", "bfloat16")
+KV_ALIASES = {"fp16": "float16", "fp32": "float32", "bf16": "bfloat16"}
 
 
 def specializations_json(specializations, *, legacy=False):
@@ -27,8 +28,11 @@ def specializations_json(specializations, *, legacy=False):
 def custom_io_yaml(retained, kv_dtype):
     """Text of custom_io.yaml: each retained-state input and its `_RetainedState` output in
     `kv_dtype` (QEfficient's layout)."""
+    kv_dtype = KV_ALIASES.get(kv_dtype, kv_dtype)
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv dtype {kv_dtype!r}: expected one of {KV_DTYPES}")
+        raise ValueError(
+            f"kv dtype {kv_dtype!r}: expected one of {KV_DTYPES} (or {sorted(KV_ALIASES)})"
+        )
     lines = ["# Model Inputs", ""]
     for name, _ in retained:
         lines += [f" - IOName: {name}", f"   Precision: {kv_dtype}", ""]

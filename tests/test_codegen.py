@@ -256,6 +256,7 @@ def test_legacy_specializations_and_custom_io_format():
     assert named["specializations"][0]["name"] == "Prefill"
     text = qaic.custom_io_yaml([("past_key.0", "past_key.0_RetainedState")], "mxint8")
     assert text.count("Precision: mxint8") == 2
+    assert qaic.custom_io_yaml([("a", "a_RetainedState")], "fp16").count("Precision: float16") == 2
     with pytest.raises(ValueError, match="int3"):
         qaic.custom_io_yaml([], "int3")
     cmd = qaic.compile_command(
