@@ -337,3 +337,35 @@ def test_tower_saved_without_model_prefix(tmp_path):
     assert graph["outputs"][0]["name"] == "vision_embeds"
     assert "embed_vision.embedding_projection.weight" in graph["weights"]
     assert all(ok for *_, ok in verify(out))
+
+
+def test_help_documents_every_option(capsys):
+    assert main(["export", "--help"]) == 0
+    text = capsys.readouterr().out
+    flags = {
+        "model": "--model",
+        "out": "--out",
+        "budgets": "--budgets",
+        "blocking": "--blocking",
+        "attention_layers": "--attention-layers",
+        "batch_size": "--batch-size",
+        "seq_len": "--seq-len",
+        "ctx_len": "--ctx-len",
+        "weights": "--weights",
+        "sub_functions": "--no-subfunctions",
+        "legacy_specializations": "--legacy-specializations",
+        "kv_dtype": "--kv-dtype",
+        "num_cores": "--num-cores",
+        "mxfp6": "--mxfp6",
+        "mos": "--mos",
+        "mdp_config": "--mdp-config",
+        "hw_version": "--hw-version",
+        "hash_shards": "--no-hash",
+        "force": "--force",
+        "verify": "--no-verify",
+    }
+    import dataclasses
+
+    assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
+    for flag in flags.values():
+        assert flag in text
