@@ -4,6 +4,7 @@ behaviour a user relies on: atomic output, refusal, determinism, one-line errors
 One default export (every blocking mode, budgets 70 and 140) is shared by the module.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -364,8 +365,6 @@ def test_help_documents_every_option(capsys):
         "force": "--force",
         "verify": "--no-verify",
     }
-    import dataclasses
-
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in flags.values():
         assert flag in text
