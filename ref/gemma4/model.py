@@ -15,6 +15,7 @@ from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig
 from ref.gemma4.text import init_cache, step
 from ref.gemma4.text_config import TextConfig
+from ref.gemma4.tower import VisionTower, checkpoint_loader
 
 PREFILL_MODES = ("q", "kv", "qkv", "online")
 DECODE_MODES = ("kv", "q", "h", "qkv", "hq", "hkv", "hqkv", "bhqkv")
@@ -119,8 +120,6 @@ class Gemma4:
             )
         vision = None
         if "vision_tower" in model and "embed_vision" in model:
-            from ref.gemma4 import VisionTower  # the package re-exports this module
-
             vision = VisionTower.from_params(hf_config, params, dtype)
         lm_head = params.get("lm_head", {}).get("weight")
         return cls(TextConfig.from_hf(hf_config), text, lm_head, vision, dtype)
@@ -128,9 +127,7 @@ class Gemma4:
     @classmethod
     def from_pretrained(cls, model_dir, dtype=jnp.float32):
         """From an HF model folder, read by the checkpoint loader the `weights` package installs."""
-        from ref.gemma4 import _checkpoint_loader
-
-        hf_config, params = _checkpoint_loader()(model_dir)
+        hf_config, params = checkpoint_loader()(model_dir)
         return cls.from_params(hf_config, params, dtype)
 
     def generate(

@@ -49,25 +49,27 @@ def apply_rope(x, positions, inv_freq):
 
 
 def vision_runs(is_vision, positions, cache_group):
-    """Vision-run ids of a chunk's tokens: the position where each run starts, −1 for text.
+    """Vision-run ids of a chunk's tokens (−1 for text), unique within a row.
 
     is_vision: [B, S] bool (invalid columns False); positions: [B, S] (−1 = padding, valid
     columns contiguous and increasing); cache_group: [B, T], the ids of the tokens already
-    cached → [B, S] int32. A run that started in an earlier chunk keeps its id, so ids agree
-    with those of the whole prompt however it is chunked.
+    cached → [B, S] int32. A run that started in an earlier chunk keeps its id; the n-th run
+    that starts in this chunk gets `first position + n`, which no other chunk can use (a chunk
+    of S tokens starts at most S runs). Id equality thus matches transformers'
+    `get_block_sequence_ids_for_mask` over the whole prompt however it is chunked.
     """
     valid = positions >= 0
     first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
     prev_slot = jnp.clip(first - 1, 0, cache_group.shape[1] - 1)
     prev_group = jnp.take_along_axis(cache_group, prev_slot[:, None], axis=1)[:, 0]
-    carried = jnp.where(first >= 1, prev_group, -1)  # [B]
+    carried = jnp.where(first >= 1, prev_group, -1)[:, None]  # [B, 1]
     prev_vision = jnp.pad(is_vision, ((0, 0), (1, 0)))[:, :-1]
-    at_first = valid & (positions == first[:, None])
-    continues = at_first & (carried[:, None] >= 0)
-    starts = jnp.where(is_vision & ~prev_vision, positions, -1)
-    starts = jnp.where(is_vision & continues, carried[:, None], starts)
-    # run starts only grow along the row, so a token's run is the latest start before it
-    return jnp.where(is_vision, jax.lax.cummax(starts, axis=1), -1).astype(jnp.int32)
+    continues = valid & (positions == first[:, None]) & (carried >= 0)
+    new_run = is_vision & ~prev_vision & ~continues
+    # CumSum, not cummax: jax2onnx lowers cummax to an int MaxPool onnxruntime rejects
+    count = jnp.cumsum(new_run.astype(jnp.int32), axis=1)
+    ids = jnp.where(count > 0, first[:, None] + count - 1, carried)
+    return jnp.where(is_vision, ids, -1).astype(jnp.int32)
 
 
 def merge_vision(embeds, is_image, vision_embeds, image_idx):

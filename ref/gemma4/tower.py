@@ -1,0 +1,134 @@
+"""`VisionTower`: the packed vision tower with its parameters, and its jit-compiled forward."""
+
+from functools import partial
+from importlib.metadata import entry_points
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ref.gemma4.config import VisionConfig
+from ref.gemma4.packing import pack, pack_patches
+from ref.gemma4.vision import EmbedVision, VisionModel
+
+LOADER_GROUP = "gemma4_qaic.checkpoint_loaders"
+
+
+@partial(jax.jit, static_argnames=("config", "cu_seqlens"))
+def tower_forward(
+    params, embed_params, patches, positions, segment_ids, pool_index, *, config, cu_seqlens=None
+):
+    """The packed tower, jit-compiled; `embed_params=None` skips embed_vision.
+
+    patches: [N, 3·p·p]; positions: [N, 2]; segment_ids: [N]; pool_index: [M, k²] →
+    {"pooled": [M, D], "hidden_states": L+1 × [N, D], "embeds": [M, text_hidden] or absent}.
+    """
+    out = VisionModel(config, cu_seqlens).apply(
+        {"params": params}, patches, positions, segment_ids, pool_index
+    )
+    if embed_params is not None:
+        out["embeds"] = EmbedVision(config).apply({"params": embed_params}, out["pooled"])
+    return out
+
+
+def checkpoint_loader():
+    """The checkpoint reader installed by the `weights` package, found by entry point.
+
+    `ref` never reads files itself: the reader is a plug-in, so this package stays pure.
+    """
+    found = {ep.name: ep for ep in entry_points(group=LOADER_GROUP)}
+    if "safetensors" not in found:
+        raise RuntimeError(
+            f"no checkpoint loader registered under entry point group {LOADER_GROUP!r}: "
+            "install the project (pip install -e .) so that `weights` provides one"
+        )
+    return found["safetensors"].load()
+
+
+def _split_tree(params):
+    """(vision subtree, embed_vision subtree or None) of a vision-only or full checkpoint."""
+    model = params.get("model")
+    if isinstance(model, dict) and "vision_tower" in model:
+        return model["vision_tower"], model.get("embed_vision")
+    if "vision_tower" in params:
+        return params["vision_tower"], params.get("embed_vision")
+    if "encoder" in params and "patch_embedder" in params:
+        return params, None
+    raise ValueError(
+        f"parameter tree with top-level keys {sorted(params)[:8]} holds no Gemma 4 vision "
+        "tower: expected model.vision_tower.* or encoder.*/patch_embedder.*"
+    )
+
+
+class VisionTower:
+    """The packed Gemma 4 vision tower with its parameters, ready to encode images."""
+
+    def __init__(self, config, params, embed_params=None, dtype=jnp.float32):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        cast = partial(jax.tree_util.tree_map, lambda a: jnp.asarray(a, self.dtype))
+        self.params = cast(params)
+        self.embed_params = None if embed_params is None else cast(embed_params)
+
+    @classmethod
+    def from_params(cls, hf_config, params, dtype=jnp.float32):
+        """From an HF config dict and a checkpoint tree (vision-only or full model)."""
+        vision, embed = _split_tree(params)
+        return cls(VisionConfig.from_hf(hf_config), vision, embed, dtype)
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype=jnp.float32):
+        """From an HF model folder (config.json + safetensors), read by the `weights` package."""
+        hf_config, params = checkpoint_loader()(model_dir)
+        return cls.from_params(hf_config, params, dtype)
+
+    def pack(self, patches, grids, budget=None):
+        """(Packing, packed patches [N, 3·p·p]) for per-item patches and (h, w) grids."""
+        c = self.config
+        packing = pack(
+            grids,
+            pooling_kernel_size=c.pooling_kernel_size,
+            position_embedding_size=c.position_embedding_size,
+            budget=budget,
+        )
+        return packing, pack_patches(patches, packing.grids, c.patch_dim, packing)
+
+    def run(self, patches, grids, *, budget=None, embed=False, varlen=True):
+        """The packed forward and its metadata: (Packing, output dict of `tower_forward`).
+
+        varlen=True attends per item on static slices (exact block-diagonal work);
+        varlen=False uses the dense segment mask over the whole (budgeted) sequence.
+        """
+        if embed and self.embed_params is None:
+            raise ValueError("embed needs embed_vision weights: load a full Gemma 4 checkpoint")
+        packing, flat = self.pack(patches, grids, budget)
+        out = tower_forward(
+            self.params,
+            self.embed_params if embed else None,
+            jnp.asarray(flat, self.dtype),
+            packing.positions,
+            packing.segment_ids,
+            packing.pool_index,
+            config=self.config,
+            cu_seqlens=packing.cu_seqlens_static if varlen else None,
+        )
+        return packing, out
+
+    def encode(self, patches, grids, *, budget=None):
+        """Soft tokens per item: list of [h_i·w_i/k², vision_hidden] (HF's last_hidden_state).
+
+        patches[i]: [h_i·w_i, 3·p·p] in [0, 1], row-major; grids[i] = (h_i, w_i) in patches.
+        """
+        packing, out = self.run(patches, grids, budget=budget)
+        return _split(np.asarray(out["pooled"]), packing)
+
+    def embed(self, patches, grids, *, budget=None):
+        """Soft tokens after embed_vision: list of [h_i·w_i/k², text_hidden]."""
+        packing, out = self.run(patches, grids, budget=budget, embed=True)
+        return _split(np.asarray(out["embeds"]), packing)
+
+
+def _split(tokens, packing):
+    """Per-item slices of packed soft tokens [M, F] → list of [m_i, F]."""
+    cu = packing.cu_tokens
+    return [tokens[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
