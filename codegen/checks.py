@@ -61,7 +61,8 @@ def _initializers(model):
 
 
 def external_paths(model, folder):
-    """External data of every tensor: a file name in `folder`, range within the file."""
+    """External data of every tensor: a file inside `folder` (subfolders allowed, no link
+    leading out), range within the file."""
     root = os.path.realpath(folder)
     for t in _initializers(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -69,7 +70,8 @@ def external_paths(model, folder):
         entry = {e.key: e.value for e in t.external_data}
         loc = entry.get("location", "")
         where = os.path.realpath(os.path.join(root, loc))
-        if os.path.isabs(loc) or os.path.normpath(loc) != loc or os.path.dirname(where) != root:
+        inside = os.path.commonpath([where, root]) == root and where != root
+        if os.path.isabs(loc) or os.path.normpath(loc) != loc or not inside:
             raise CheckError(f"tensor {t.name!r}: external data {loc!r} leaves the output folder")
         if os.path.islink(os.path.join(root, loc)) or not os.path.isfile(where):
             raise CheckError(f"tensor {t.name!r}: external data {loc!r} is not a regular file")

@@ -193,10 +193,10 @@ def write_graph(spec, checkpoint, folder, opts, log):
     traced = time.perf_counter() - t0
     weight_spec = None
     if opts.weights == "external":
-        external.externalize(model, spec.weights, checkpoint.tensors)
+        external.externalize(model, spec.weights, checkpoint.tensors, checkpoint.dir)
     else:
         weight_spec = f"{spec.name}.weights.json"
-        ws = external.as_inputs(model, spec.weights, checkpoint.tensors, spec.name)
+        ws = external.as_inputs(model, spec.weights, checkpoint.tensors, spec.name, checkpoint.dir)
         _atomic_text(os.path.join(folder, weight_spec), json.dumps(ws, indent=2) + "\n")
     path = os.path.join(folder, f"{spec.name}.onnx")
     data = model.SerializeToString(deterministic=True)
@@ -300,7 +300,7 @@ def export(opts, log=None):
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     start = time.perf_counter()
     try:
-        shards = external.place_shards(checkpoint.shards, tmp)
+        shards = external.place_shards(checkpoint.shards, tmp, checkpoint.dir)
         for extra in ("config.json", "model.safetensors.index.json"):
             if (checkpoint.dir / extra).is_file():
                 shutil.copyfile(checkpoint.dir / extra, tmp / extra)

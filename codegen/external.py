@@ -36,23 +36,30 @@ def onnx_dtype(info):
     return ONNX_DTYPES[info.dtype]
 
 
-def place_shards(shards, folder):
-    """Hard-link each shard into `folder` (copy when linking fails, e.g. across filesystems).
+def shard_name(path, root):
+    """A shard's name relative to its model folder, '/'-separated (index names may hold
+    subfolders, so two shards can share a base name)."""
+    return os.path.relpath(path, root).replace(os.sep, "/")
+
+
+def place_shards(shards, folder, root):
+    """Hard-link each shard of the model folder `root` into `folder` at the same relative
+    path (copy when linking fails, e.g. across filesystems).
 
     Returns [{"file", "bytes", "copied"}] in shard order.
     """
     placed = []
     for shard in shards:
-        target = os.path.join(folder, os.path.basename(shard))
+        name = shard_name(shard, root)
+        target = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         copied = False
         try:
             os.link(os.path.realpath(shard), target)
         except OSError:
             shutil.copyfile(shard, target)
             copied = True
-        placed.append(
-            {"file": os.path.basename(shard), "bytes": os.path.getsize(target), "copied": copied}
-        )
+        placed.append({"file": name, "bytes": os.path.getsize(target), "copied": copied})
     return placed
 
 
@@ -92,9 +99,10 @@ def _cast_uses(graph, names, tensors):
     graph.node.extend(nodes)
 
 
-def _bind(graph, names, tensors):
+def _bind(graph, names, tensors, root):
     """Replace the graph inputs `names` by initializers with external data in their shards;
-    the location is the shard's file name (it sits beside the .onnx file)."""
+    the location is the shard's path relative to the model folder `root` (the output folder
+    holds the shards at the same relative paths, beside the .onnx file)."""
     weights = set(names)
     keep = [i for i in graph.input if i.name not in weights]
     del graph.input[:]
@@ -104,7 +112,7 @@ def _bind(graph, names, tensors):
         t = TensorProto(name=name, data_type=onnx_dtype(info), dims=list(info.shape))
         t.data_location = TensorProto.EXTERNAL
         for key, value in (
-            ("location", os.path.basename(info.file)),
+            ("location", shard_name(info.file, root)),
             ("offset", str(info.offset)),
             ("length", str(info.nbytes)),
         ):
@@ -113,14 +121,14 @@ def _bind(graph, names, tensors):
         graph.initializer.append(t)
 
 
-def externalize(model, names, tensors):
-    """Weight inputs `names` → external initializers (in place); tensors: {name: TensorInfo}.
-    Non-float32 weights get a Cast to float32."""
-    _bind(model.graph, names, tensors)
+def externalize(model, names, tensors, root):
+    """Weight inputs `names` → external initializers (in place); tensors: {name: TensorInfo}
+    of the model folder `root`. Non-float32 weights get a Cast to float32."""
+    _bind(model.graph, names, tensors, root)
     _cast_uses(model.graph, names, tensors)
 
 
-def as_inputs(model, names, tensors, model_name):
+def as_inputs(model, names, tensors, model_name, root):
     """Weights stay graph inputs in their checkpoint dtype; returns the weight spec v5 dict
     (also embedded as metadata `com.qti.aisw.extdata`)."""
     weights = set(names)
@@ -128,13 +136,13 @@ def as_inputs(model, names, tensors, model_name):
         if value.name in weights:
             value.type.tensor_type.elem_type = onnx_dtype(tensors[value.name])
     _cast_uses(model.graph, names, tensors)
-    files = sorted({os.path.basename(tensors[n].file) for n in names})
+    files = sorted({shard_name(tensors[n].file, root) for n in names})
     spec = {
         "model_name": model_name,
         "model_id": model_name,
         "files": [{"path": f, "format": "safetensors"} for f in files],
         "inputs": [
-            {"name": n, "location": {"file": os.path.basename(tensors[n].file), "key": n}}
+            {"name": n, "location": {"file": shard_name(tensors[n].file, root), "key": n}}
             for n in names
         ],
     }
@@ -142,7 +150,7 @@ def as_inputs(model, names, tensors, model_name):
     return spec
 
 
-def inputs_to_initializers(model, spec, tensors):
+def inputs_to_initializers(model, spec, tensors, root):
     """The verify-time view of a `--weights inputs` graph: its weight inputs bound to the bytes
     the weight spec names (the Casts are already in the graph)."""
     names = [entry["location"]["key"] for entry in spec["inputs"]]
@@ -150,5 +158,5 @@ def inputs_to_initializers(model, spec, tensors):
     missing = [n for n in names if n not in inputs]
     if missing:
         raise WeightError(f"weight spec names inputs the graph lacks: {missing[:3]}")
-    _bind(model.graph, names, tensors)
+    _bind(model.graph, names, tensors, root)
     return model

@@ -58,7 +58,7 @@ def _session(entry, folder, checkpoint):
     with open(os.path.join(folder, entry["weight_spec"])) as f:
         spec = json.load(f)
     model = onnx.load(path, load_external_data=False)
-    external.inputs_to_initializers(model, spec, checkpoint.tensors)
+    external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
     bound = os.path.join(folder, f".verify.{entry['name']}.onnx")
     try:
         with open(bound, "wb") as f:

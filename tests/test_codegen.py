@@ -324,6 +324,25 @@ def test_sharded_checkpoint_links_every_shard(tmp_path):
     assert all(ok for *_, ok in verify(out))
 
 
+def test_shards_in_subfolders_with_one_base_name(tmp_path):
+    folder = tmp_path / "nested"
+    save_checkpoint(folder, DEFAULT_CONFIG, default_tensors(), max_shard_bytes=40_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    moved = {}
+    for i, shard in enumerate(sorted(set(index["weight_map"].values()))):
+        (folder / f"part{i}").mkdir()
+        (folder / shard).rename(folder / f"part{i}" / "shard.safetensors")
+        moved[shard] = f"part{i}/shard.safetensors"
+    index["weight_map"] = {n: moved[f] for n, f in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    export(small(out, folder))
+    assert sorted(s["file"] for s in manifest(out)["shards"]) == sorted(moved.values())
+    for name in moved.values():
+        assert os.stat(out / name).st_ino == os.stat(folder / name).st_ino
+    assert all(ok for *_, ok in verify(out))
+
+
 def test_tower_saved_without_model_prefix(tmp_path):
     tensors = {
         n.removeprefix("model."): a

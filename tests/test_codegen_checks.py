@@ -286,9 +286,12 @@ def test_inputs_to_initializers_roundtrip(default_model):
         ctx_len=16,
     )
     model = trace(spec, default_model.tensors)
-    ws = external.as_inputs(model, spec.weights, default_model.tensors, "a")
+    ws = external.as_inputs(model, spec.weights, default_model.tensors, "a", default_model.dir)
     bound = external.inputs_to_initializers(
-        onnx.ModelProto.FromString(model.SerializeToString()), ws, default_model.tensors
+        onnx.ModelProto.FromString(model.SerializeToString()),
+        ws,
+        default_model.tensors,
+        default_model.dir,
     )
     names = {t.name for t in bound.graph.initializer if t.data_location == TensorProto.EXTERNAL}
     assert names == set(spec.weights)
