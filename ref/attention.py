@@ -148,17 +148,24 @@ def _cat(parts, axis):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
-def _kv_loop(q, k, v, block_mask, plan, *, scale, softcap):
-    """Attention of one query block over the plan's KV blocks → normalized [B, Hkv, g, S, D].
+def _kv_loop(q, k, v, block_mask, plan, prev, *, scale, softcap):
+    """Attention of one query block over the plan's KV blocks.
 
     q: [B, Hkv, g, S, D]; k, v: [B, Hkv, T, D]; block_mask(t0, t1): bool broadcastable to
-    [B, Hkv, g, S, t1 − t0]. Sequential plans carry (m, l, O) from block to block; parallel
-    (head-parallel) plans compute every block and piece from scratch and merge once.
+    [B, Hkv, g, S, t1 − t0]; prev: the state of the block computed before (None for the first).
+    Sequential plans carry (m, l, O) from block to block; parallel (head-parallel) plans compute
+    every block and piece from scratch and merge once. Returns (normalized [B, Hkv, g, S, D],
+    the last block's state).
     """
     step = functools.partial(_step, scale=scale, softcap=softcap)
     state, finished = None, []
     for t0, t1 in plan.kv:
         m = block_mask(t0, t1)
+        if plan.ordered and prev is not None:
+            # A real data dependency (0·Σl, exact: l is finite) so a scheduler that starts every
+            # independent matmul early (XLA:CPU does, and strips optimization barriers) still
+            # holds one block's scores at a time.
+            q = q + (jnp.sum(prev[1]) * 0).astype(q.dtype)
         if plan.parallel:
             pieces = [
                 step(None, q, k[:, :, t0 + a : t0 + c], v[:, :, t0 + a : t0 + c], m[..., a:c])
@@ -179,9 +186,10 @@ def _kv_loop(q, k, v, block_mask, plan, *, scale, softcap):
             finished.append(new)
         else:
             state = new
+        prev = new
     if plan.parallel:
         state = _merge(finished) if len(finished) > 1 else finished[0]
-    return _finish(state, q.dtype)
+    return _finish(state, q.dtype), prev
 
 
 def _pieces(n, split):
@@ -224,7 +232,7 @@ def _blocked(q, k, v, q_pos, kv_pos, q_group, kv_group, plan, *, sliding_window,
             m = m[:, kv0:kv1]
         return m[:, :, None]
 
-    out_b = []
+    out_b, prev = [], None
     for b0, b1 in plan.batch:
         out_h = []
         for kv0, kv1, reps in plan.heads:
@@ -235,7 +243,10 @@ def _blocked(q, k, v, q_pos, kv_pos, q_group, kv_group, plan, *, sliding_window,
                 for q0, q1 in plan.q:
                     block_fn = functools.partial(block_mask, b0, b1, kv0, kv1, q0, q1)
                     qb = q5[b0:b1, kv0:kv1, r0:r1, q0:q1]
-                    out_q.append(_kv_loop(qb, kb, vb, block_fn, plan, scale=scale, softcap=softcap))
+                    out, prev = _kv_loop(
+                        qb, kb, vb, block_fn, plan, prev, scale=scale, softcap=softcap
+                    )
+                    out_q.append(out)
                 out_r.append(_cat(out_q, 3))
             out_h.append(_cat(out_r, 2))
         out_b.append(_cat(out_h, 1))
@@ -264,7 +275,8 @@ def blocked(
     q: [B, H, S, D]; k, v: [B, Hkv, T, D], or [1, B·Hkv, T, D] with batch_fold; q_pos,
     q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D]. mode and options (num_kv_blocks,
     num_q_blocks, head_block_size, num_batch_blocks, headpar_split, batch_fold,
-    prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len, num_cores) as in
+    prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len, num_cores,
+    ordered) as in
     `ref.blocking.BlockingConfig`, or a ready `config=`. mesh: a `jax.sharding.Mesh`; the heads
     are split over all its devices with shard_map (Hkv must divide evenly) and each device runs
     the same mode on its heads.

@@ -45,7 +45,8 @@ class Plan:
     `[kv_start, kv_end)` with the query heads `j·g + r` of each, `r` in the listed ranges.
     split: KV pieces per block computed independently and merged once at the end (1 with
     `parallel` False means the sequential online recurrence). batch_fold: the cache is
-    `[1, B·Hkv, T, D]` and the batch is folded into the heads.
+    `[1, B·Hkv, T, D]` and the batch is folded into the heads. ordered: each block waits for
+    the previous one.
     """
 
     batch: tuple
@@ -56,6 +57,7 @@ class Plan:
     parallel: bool
     skip_kv: bool
     batch_fold: bool
+    ordered: bool = False
 
 
 def ranges(n, blocks, length=None):
@@ -94,7 +96,10 @@ class BlockingConfig:
     query chunks of a prefill mode. prefill_n_rep_chunk: query heads per chunk within one GQA
     group (default the whole group). skip_kv: leave the running state untouched for KV blocks
     no query sees. ctx_len: compile-time cache length the KV block size derives from (default
-    the cache length T).
+    the cache length T). ordered (not a QEfficient key): make every block's queries depend on
+    the previous block's state, so a scheduler that runs independent matmuls early (XLA:CPU)
+    keeps one block's scores live instead of all of them; costs a scalar sum and an add per
+    block, and serializes blocks a compiler could otherwise overlap.
     """
 
     mode: str
@@ -109,6 +114,7 @@ class BlockingConfig:
     skip_kv: bool = False
     ctx_len: int | None = None
     num_cores: int | None = None
+    ordered: bool = False
 
     def __post_init__(self):
         if self.mode not in _AXES:
@@ -205,6 +211,7 @@ class BlockingConfig:
             parallel=self.headpar_split is not None or self.mode == "prefill_qkv",
             skip_kv=self.skip_kv,
             batch_fold=self.batch_fold,
+            ordered=self.ordered,
         )
 
     def _count(self, n, option, what):

@@ -117,6 +117,8 @@ def mode_options(draw, b, h, hkv, s, t):
     if "h" in axes:
         sizes = [c for c in range(1, fold_heads + 1) if c % g == 0 or g % c == 0]
         opts["head_block_size"] = draw(st.sampled_from(sizes))
+    if draw(st.booleans()):
+        opts["ordered"] = True
     return mode, opts
 
 
@@ -222,7 +224,7 @@ def hf_attention(q, k, v, mask4, softcap, groups):
     return out.transpose(1, 2).numpy()
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(
     st.integers(1, 2),
     st.integers(2, 12),
