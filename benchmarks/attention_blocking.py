@@ -4,7 +4,8 @@ Two memory figures per mode: XLA's compiled temp allocation (`memory_analysis()
 .temp_size_in_bytes`: all the program allocates besides inputs and outputs, as XLA:CPU schedules
 it) and the algorithm's working set, the largest score block `H · S_blk · T_blk · 4` bytes (what
 a blocked kernel holds at once). Time is the best of `--repeat` runs (the first run included).
-A mode whose temp memory exceeds `--max-gib` is compiled but not run.
+A mode whose temp memory exceeds `--max-gib` is compiled but not run. Blocked modes run with
+`ordered=True` (each block waits for the previous one) unless `--unordered`.
 Usage: `python -m benchmarks.attention_blocking [--sizes 8192 16384] [--repeat 1]`.
 """
 
@@ -28,18 +29,22 @@ def score_block_bytes(name, n, blocks):
     return H * s_blk * t_blk * 4
 
 
-def modes(blocks):
+def modes(blocks, ordered):
     """name → attention function of (q, k, v, q_pos, kv_pos); `blocks` cuts queries and cache."""
+    opts = dict(ordered=ordered)
     return {
         "dense": reference,
-        "kv": lambda *a: blocked(*a, mode="kv", num_kv_blocks=blocks),
-        "qkv": lambda *a: blocked(*a, mode="qkv", num_q_blocks=blocks, num_kv_blocks=blocks),
+        "kv": lambda *a: blocked(*a, mode="kv", num_kv_blocks=blocks, **opts),
+        "qkv": lambda *a: blocked(
+            *a, mode="qkv", num_q_blocks=blocks, num_kv_blocks=blocks, **opts
+        ),
         "online": lambda *a: blocked(
             *a,
             mode="prefill_online",
             prefill_block_chunks=blocks,
             num_kv_blocks=blocks,
             skip_kv=True,
+            **opts,
         ),
     }
 
@@ -67,6 +72,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--max-gib", type=float, default=12.0, help="skip runs needing more")
     parser.add_argument("--check", action="store_true", help="also compare to dense (max err)")
+    parser.add_argument(
+        "--unordered", action="store_true", help="blocked modes without ordered=True"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -77,7 +85,7 @@ def main():
         pos = jnp.arange(n, dtype=jnp.int32)[None]
         inputs = (q, k, v, pos, pos)
         dense_out = None
-        for name, fn in modes(args.blocks).items():
+        for name, fn in modes(args.blocks, not args.unordered).items():
             temp, compile_s, run_s = measure(fn, inputs, args.repeat, args.max_gib * 2**30)
             err = None
             if args.check and run_s is not None:
@@ -90,12 +98,15 @@ def main():
                 (n, name, temp, score_block_bytes(name, n, args.blocks), compile_s, run_s, err)
             )
             print(f"  measured S=T={n} {name}: {temp / 2**20:.0f} MiB, run {run_s}", flush=True)
-    print_table(rows, args.blocks)
+    print_table(rows, args.blocks, not args.unordered)
 
 
-def print_table(rows, blocks):
+def print_table(rows, blocks, ordered):
     dense = {r[0]: r for r in rows if r[1] == "dense"}
-    print(f"\nprefill S = T, H={H}, Hkv={HKV}, D={D}, float32, {blocks} query / KV blocks")
+    print(
+        f"\nprefill S = T, H={H}, Hkv={HKV}, D={D}, float32, {blocks} query / KV blocks, "
+        f"ordered={ordered}"
+    )
     print(
         f"{'S=T':>6} {'mode':>7} {'XLA temp MiB':>12} {'/dense':>7} {'scores MiB':>10}"
         f" {'/dense':>7} {'time s':>8} {'/dense':>7} {'compile s':>9} {'rel err':>8}"
