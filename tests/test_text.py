@@ -356,7 +356,7 @@ def test_unknown_blocking_mode_is_refused():
 @given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]), st.booleans())
 def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     """Prefill in chunks (2 rows, different prompts, padding columns on either side, sliding
-    layers in a ring or not) leaves the same positions, run ids, image index and last logits
+    layers in a ring or not) leaves the same positions, runs, image index and last logits
     (and without the ring the same keys/values) as one whole step, in float64 (a difference
     is a bug, not rounding)."""
     model = hf_model(text, seed % 1000)
@@ -389,8 +389,12 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
             for i, b in enumerate(bounds):
                 if k == len(b) - 1:
                     last[i] = out["logits"][i, 0]
-        kept = ("pos", "group") if ring else ("pos", "group", "k", "v")
-        return {key: cache[key] for key in kept}, idx, jnp.stack(last)
+        # run ids depend on the chunking, only which tokens share one must not
+        same = np.equal(np.asarray(cache["group"])[:, :, None], np.asarray(cache["group"])[:, None])
+        kept = {"pos": cache["pos"], "same_run": same}
+        if not ring:
+            kept.update(k=cache["k"], v=cache["v"])
+        return kept, idx, jnp.stack(last)
 
     whole = run([[(0, len(r))] for r in rows])
     bounds = [chunk_bounds(len(r), image_runs(r, IMAGE), chunk) for r in rows]
@@ -406,7 +410,7 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     "mode, prefill",
     [(m, True) for m in PREFILL_MODES] + [(m, False) for m in DECODE_MODES],
 )
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(1, 9), st.integers(0, 2**31 - 1))
 def test_default_block_options_fit_every_phase_shape(mode, prefill, batch, group, seq, seed):
     """generate's default options for each mode are valid for any batch, chunk, GQA group and
