@@ -4,11 +4,22 @@ blocking modes per phase, batch 1 and 3 (different prompts), dense and MoE."""
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from ref.gemma4.model import Gemma4
-from tests.text_oracle import hf_generate, hf_model, patches_for, prompt, text_config, tree_of
+from tests.text_oracle import (
+    FIRST_TEXT,
+    hf_generate,
+    hf_model,
+    patches_for,
+    prompt,
+    randomize_,
+    text_config,
+    tree_of,
+)
 
 NEW_TOKENS = 16
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss
@@ -125,4 +136,25 @@ def test_from_pretrained_reads_a_saved_transformers_model(tmp_path):
     row = prompt(rng, 9, [2], 96)
     want, _ = hf_generate(hf, row, patches, grids, NEW_TOKENS)
     got = ours.generate(row[None], patches, grids, max_new_tokens=NEW_TOKENS, chunk_size=4)
+    np.testing.assert_array_equal(got[0], want)
+
+
+def test_text_only_checkpoint_generates_as_transformers():
+    """A Gemma4ForCausalLM tree (`model.*`, no vision) and its text config dict."""
+    config = Gemma4TextConfig(**text_config(moe=True, layer_types=LAYERS[True], shared=2))
+    config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    hf = randomize_(Gemma4ForCausalLM(config).eval(), 3)
+    ours = Gemma4.from_params(config.to_dict(), tree_of(hf.state_dict()))
+    ids = np.random.default_rng(3).integers(FIRST_TEXT, 96, size=(1, 11))
+    with torch.no_grad():
+        want = hf.generate(
+            torch.from_numpy(ids),
+            attention_mask=torch.ones(ids.shape, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, ids.shape[1] :].numpy()
+    got = ours.generate(ids, max_new_tokens=8, chunk_size=4, decode_blocking="kv")
     np.testing.assert_array_equal(got[0], want)
