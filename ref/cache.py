@@ -10,6 +10,7 @@ back to T: every index is in range, which ScatterND needs (it neither clamps nor
 """
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def scatter(cache, new, slots):
@@ -24,9 +25,10 @@ def scatter(cache, new, slots):
             f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and slots [B, S]; "
             f"got new {new.shape}, slots {slots.shape}"
         )
-    spare = jnp.concatenate([cache, jnp.zeros((b, hkv, 1, d), cache.dtype)], axis=2)
-    rows = jnp.arange(b)[:, None, None]
-    heads = jnp.arange(hkv)[None, :, None]
+    # Shapes may be symbolic at export (batch, seq_len): iota and *_like instead of arange/zeros.
+    spare = jnp.concatenate([cache, jnp.zeros_like(cache[:, :, :1])], axis=2)
+    rows = lax.broadcasted_iota(jnp.int32, (b, 1, 1), 0)
+    heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
     dest = _spare_slot(slots, t)[:, None, :]
     spare = spare.at[rows, heads, dest].set(new.astype(cache.dtype), mode="promise_in_bounds")
     return spare[:, :, :t]
@@ -38,8 +40,8 @@ def scatter_positions(cache_pos, positions, slots):
     A slot −1 writes nothing. Returns [B, T] int (−1 = empty slot).
     """
     b, t = cache_pos.shape
-    spare = jnp.concatenate([cache_pos, jnp.full((b, 1), -1, cache_pos.dtype)], axis=1)
-    rows = jnp.arange(b)[:, None]
+    spare = jnp.concatenate([cache_pos, jnp.full_like(cache_pos[:, :1], -1)], axis=1)
+    rows = lax.broadcasted_iota(jnp.int32, (b, 1), 0)
     dest = _spare_slot(slots, t)
     spare = spare.at[rows, dest].set(positions.astype(cache_pos.dtype), mode="promise_in_bounds")
     return spare[:, :t]
@@ -73,7 +75,7 @@ def causal_positions(q_pos, cache_len):
     """Positions of a linear cache (slot t holds position t) as seen by a call whose queries sit
     at q_pos [B, S]: slot t is filled iff t ≤ the row's largest position → [B, T] (−1 = empty)."""
     last = jnp.max(q_pos, axis=1, keepdims=True)
-    slots = jnp.arange(cache_len, dtype=q_pos.dtype)[None, :]
+    slots = lax.broadcasted_iota(q_pos.dtype, (1, cache_len), 1)
     return jnp.where(slots <= last, slots, -1)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import onnxruntime as ort
 from jax2onnx import to_onnx
 
+from ref import cache
 from ref.attention import blocked
 from ref.cache import scatter
 
@@ -107,3 +108,34 @@ def test_blocked_and_scatter_export_to_onnx_without_loops():
     for g, w in zip(got, want, strict=True):
         w = np.asarray(w)
         assert np.abs(g - w).max() <= 2e-6 * max(np.abs(w).max(), 1.0)
+
+
+def test_cache_update_exports_with_symbolic_batch_and_length():
+    """The retained-state write traces with symbolic B and S (no arange/zeros of a symbolic
+    size) and onnxruntime reproduces it exactly, −1 slots included."""
+
+    def write(ck, cv, k, v, pos):
+        return (*cache.update(ck, cv, k, v, pos), cache.causal_positions(pos, 16))
+
+    spec = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    model = to_onnx(
+        write,
+        [
+            spec(("B", 2, 16, 4), f32),
+            spec(("B", 2, 16, 4), f32),
+            spec(("B", 2, "S", 4), f32),
+            spec(("B", 2, "S", 4), f32),
+            spec(("B", "S"), jnp.int32),
+        ],
+    )
+    rng = np.random.default_rng(1)
+    inputs = [
+        rng.normal(size=shape).astype(np.float32)
+        for shape in ((3, 2, 16, 4), (3, 2, 16, 4), (3, 2, 5, 4), (3, 2, 5, 4))
+    ]
+    inputs.append(np.array([[0, 1, 2, 3, 4], [7, 8, -1, -1, -1], [15, -1, -1, -1, -1]], np.int32))
+    session = ort.InferenceSession(model.SerializeToString())
+    got = session.run(None, {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)})
+    for g, w in zip(got, write(*inputs), strict=True):
+        assert (g == np.asarray(w)).all()
