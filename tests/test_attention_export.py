@@ -9,7 +9,6 @@ from jax2onnx import to_onnx
 
 from ref import cache
 from ref.attention import blocked
-from ref.cache import scatter
 
 # Ops QEfficient's own exports use; an unrolled block loop must stay inside them.
 ALLOWED = {
@@ -53,7 +52,7 @@ ALLOWED = {
 }
 
 
-def step(q, k, v, q_pos, kv_pos, q_group, kv_group, cache, slots):
+def step(q, k, v, q_pos, kv_pos, q_group, kv_group, past, slots):
     out = blocked(
         q,
         k,
@@ -70,7 +69,7 @@ def step(q, k, v, q_pos, kv_pos, q_group, kv_group, cache, slots):
         skip_kv=True,
         softcap=5.0,
     )
-    return out, scatter(cache, k[:, :, :3], slots)
+    return out, cache.scatter(past, k[:, :, :3], slots)
 
 
 def test_blocked_and_scatter_export_to_onnx_without_loops():
@@ -93,14 +92,14 @@ def test_blocked_and_scatter_export_to_onnx_without_loops():
     assert "ScatterND" in ops
 
     rng = np.random.default_rng(0)
-    q, k, v, cache = (rng.normal(size=shapes[i].shape).astype(np.float32) for i in (0, 1, 2, 7))
+    q, k, v, past = (rng.normal(size=shapes[i].shape).astype(np.float32) for i in (0, 1, 2, 7))
     q_pos = np.array([[3, 4, 5, 6, -1], [0, 1, 2, 3, 4]], np.int32)
     kv_pos = np.array([[0, 1, 2, 3, 4, 5, 6, -1, -1, -1], list(range(5)) + [-1] * 5], np.int32)
     runs = np.array([-1, -1, 0, 0, 0, -1, 1, 1, -1, -1], np.int32)
     q_group = np.where(q_pos >= 0, runs[np.maximum(q_pos, 0)], -1).astype(np.int32)
     kv_group = np.where(kv_pos >= 0, runs[np.maximum(kv_pos, 0)], -1).astype(np.int32)
     slots = np.array([[7, -1, 2], [0, 1, 9]], np.int32)
-    inputs = [q, k, v, q_pos, kv_pos, q_group, kv_group, cache, slots]
+    inputs = [q, k, v, q_pos, kv_pos, q_group, kv_group, past, slots]
     session = ort.InferenceSession(model.SerializeToString())
     feed = {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
     got = session.run(None, feed)
