@@ -140,8 +140,26 @@ def reference(
     q: [B, H, S, D]; k, v: [B, Hkv, T, D]; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T]
     (int, −1 = padding / text) → [B, H, S, D]. See `mask` for which keys a query sees.
     """
+    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=False)
     m = mask(q_pos, kv_pos, sliding_window=sliding_window, q_group=q_group, kv_group=kv_group)
     return attend(q, k, v, m, scale=scale, softcap=softcap)
+
+
+def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, fold):
+    """Raise ValueError unless positions and groups are [B, S] / [B, T] for q [B, H, S, D] and a
+    cache of T slots (k [B, Hkv, T, D], or [1, B·Hkv, T, D] folded)."""
+    b, _, s, _ = q.shape
+    t = k.shape[2]
+    expected = {"q_pos": (b, s), "kv_pos": (b, t), "q_group": (b, s), "kv_group": (b, t)}
+    given = {"q_pos": q_pos, "kv_pos": kv_pos, "q_group": q_group, "kv_group": kv_group}
+    for name, value in given.items():
+        if value is not None and tuple(jnp.shape(value)) != expected[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(jnp.shape(value))}; expected {expected[name]} for "
+                f"q {tuple(q.shape)} and k {tuple(k.shape)}"
+            )
+    if not fold and k.shape[0] != b:
+        raise ValueError(f"k batch {k.shape[0]} does not match q batch {b}")
 
 
 def _cat(parts, axis):
@@ -295,6 +313,7 @@ def blocked(
     fold = config.batch_fold
     if fold and k.shape[0] != 1:
         raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D], got k {k.shape}")
+    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=fold)
     hkv = k.shape[1] // b if fold else k.shape[1]
     if fold and k.shape[1] != b * hkv:
         raise ValueError(f"batch_fold cache rows {k.shape[1]} are not a multiple of batch {b}")

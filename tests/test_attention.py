@@ -313,6 +313,10 @@ def test_blocked_rejects_bad_calls():
         blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, ctx_len=5)
     with pytest.raises(ValueError, match="together"):
         blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, q_group=q_pos)
+    with pytest.raises(ValueError, match=r"kv_pos has shape \(2, 5\); expected \(2, 6\)"):
+        reference(q, k, v, q_pos, kv_pos[:, :5])
+    with pytest.raises(ValueError, match="q_pos has shape"):
+        blocked(q, k, v, q_pos[:1], kv_pos, mode="kv", num_kv_blocks=2)
 
 
 def test_blocked_is_jittable_and_float32_softmax_for_bf16():
