@@ -154,10 +154,12 @@ def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, fold):
     expected = {"q_pos": (b, s), "kv_pos": (b, t), "q_group": (b, s), "kv_group": (b, t)}
     given = {"q_pos": q_pos, "kv_pos": kv_pos, "q_group": q_group, "kv_group": kv_group}
     for name, value in given.items():
-        if value is not None and tuple(jnp.shape(value)) != expected[name]:
+        # `.shape`, not jnp.shape: jax2onnx patches jnp.shape to return a traced array.
+        shape = None if value is None else tuple(jnp.asarray(value).shape)
+        if shape is not None and shape != expected[name]:
             raise ValueError(
-                f"{name} has shape {tuple(jnp.shape(value))}; expected {expected[name]} for "
-                f"q {tuple(q.shape)} and k {tuple(k.shape)}"
+                f"{name} has shape {shape}; expected {expected[name]} for q {tuple(q.shape)} "
+                f"and k {tuple(k.shape)}"
             )
     if not fold and k.shape[0] != b:
         raise ValueError(f"k batch {k.shape[0]} does not match q batch {b}")
