@@ -19,11 +19,13 @@ def hf_vision_config(cfg):
 
 
 def randomize_(model, seed):
-    """Randomize every parameter and buffer the checkpoint holds, in place.
+    """Randomize every parameter and buffer of a Gemma 4 model (or part) in place, away from
+    neutral values.
 
-    Linear weights ~ N(0, 1/in); norm weights around 1 (q/k norms ×0.25 so unscaled attention
-    stays smooth); position table, clip bounds (tight enough to clip) and std_bias/std_scale
-    away from their neutral defaults.
+    Linear weights ~ N(0, 1/in); the token embedding ~ N(0, 1) so logits are well separated
+    (greedy choices far from ties); norm weights around 1, q/k norms ×0.25 (unscaled attention
+    stays smooth); layer scalars, router scales, the position table, clip bounds (tight enough
+    to clip) and std_bias/std_scale random.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -36,12 +38,18 @@ def randomize_(model, seed):
     with torch.no_grad():
         for name, t in list(model.state_dict().items()):
             leaf = name.rsplit(".", 1)[-1]
-            if leaf == "weight" and t.ndim == 2:
+            if name.endswith("embed_tokens.weight"):
+                new = randn(t.shape)
+            elif leaf == "weight" and t.ndim == 2:
                 new = randn(t.shape) / np.sqrt(t.shape[1])
+            elif leaf in ("gate_up_proj", "down_proj") and t.ndim == 3:
+                new = randn(t.shape) / np.sqrt(t.shape[2])
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 new = 0.25 * (1 + 0.2 * randn(t.shape))
-            elif leaf == "weight":
+            elif leaf in ("weight", "scale", "per_expert_scale", "std_scale"):
                 new = 1 + 0.2 * randn(t.shape)
+            elif leaf == "layer_scalar":
+                new = 0.5 + rand(t.shape)
             elif leaf == "position_embedding_table":
                 new = 0.5 * randn(t.shape)
             elif leaf in ("input_min", "output_min"):
@@ -50,8 +58,6 @@ def randomize_(model, seed):
                 new = 0.5 + 2 * rand(())
             elif leaf == "std_bias":
                 new = randn(t.shape)
-            elif leaf == "std_scale":
-                new = 0.5 + rand(t.shape)
             else:
                 raise AssertionError(f"randomize_: no rule for {name}")
             t.copy_(new.to(t.dtype))
@@ -97,6 +103,11 @@ def tree_of(state_dict, prefix=""):
             node = node.setdefault(p, {})
         node[leaf] = t.detach().numpy().copy()
     return tree
+
+
+def patches_for(grids, rng, patch_dim):
+    """Random pixels in [0, 1] per image: list of [h·w, patch_dim] float32."""
+    return [rng.random((h * w, patch_dim), dtype=np.float32) for h, w in grids]
 
 
 def hf_padded_inputs(patches, grids, pad_tokens=0, k=3):

@@ -10,16 +10,8 @@ from hypothesis import strategies as st
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from ref.gemma4.model import Gemma4
-from tests.text_oracle import (
-    FIRST_TEXT,
-    hf_generate,
-    hf_model,
-    patches_for,
-    prompt,
-    randomize_,
-    text_config,
-    tree_of,
-)
+from tests.hf_vision import patches_for, randomize_, tree_of
+from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, prompt, text_config
 
 NEW_TOKENS = 16
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss

@@ -32,7 +32,8 @@ from ref.gemma4.text import (
     vision_runs,
 )
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
-from tests.text_oracle import IMAGE, hf_model, hf_pixels, patches_for, prompt, text_config, tree_of
+from tests.hf_vision import hf_padded_inputs, patches_for, tree_of
+from tests.text_oracle import IMAGE, hf_model, prompt, text_config
 
 TOL = 1e-4  # float32 relative, per the issue
 GRIDS = [(3, 3), (3, 6), (6, 6)]
@@ -163,7 +164,7 @@ def text_setups(draw):
 def _image_features(model, patches, grids):
     if not grids:
         return []
-    values, pos = hf_pixels(patches, grids)
+    values, pos = hf_padded_inputs(patches, grids)
     with torch.no_grad():
         return [f.numpy() for f in model.model.get_image_features(values, pos).pooler_output]
 
@@ -195,7 +196,7 @@ def test_layer_by_layer_parity_with_transformers(text, seed, grids):
     feats = _image_features(model, patches, grids)
     pixels = {}
     if grids:
-        pixels["pixel_values"], pixels["image_position_ids"] = hf_pixels(patches, grids)
+        pixels["pixel_values"], pixels["image_position_ids"] = hf_padded_inputs(patches, grids)
     with torch.no_grad():
         out = model(
             input_ids=torch.from_numpy(ids)[None],

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 from ref.gemma4 import VisionTower, tower_forward
 from ref.gemma4.config import VisionConfig
-from tests.hf_vision import hf_encode, hf_full_model, hf_padded_inputs, hf_vision_model, tree_of
+from tests.hf_vision import (
+    hf_encode,
+    hf_full_model,
+    hf_padded_inputs,
+    hf_vision_model,
+    patches_for,
+    tree_of,
+)
 from tests.strategies import grids, vision_configs
 
 RTOL_F32 = 1e-5
@@ -23,12 +30,6 @@ def rel_err(ours, oracle):
     """max|ours − oracle| / max|oracle| (oracle not all zero)."""
     oracle = np.asarray(oracle, np.float64)
     return float(np.max(np.abs(np.asarray(ours, np.float64) - oracle)) / np.max(np.abs(oracle)))
-
-
-def random_patches(grid_list, patch_dim, seed):
-    """Per-item patches in [0, 1]: [h·w, patch_dim] each."""
-    rng = np.random.default_rng(seed)
-    return [rng.random((h * w, patch_dim), dtype=np.float32) for h, w in grid_list]
 
 
 def small_config(**overrides):
@@ -52,7 +53,7 @@ def small_config(**overrides):
 @given(cfg=vision_configs(), grid_list=grids(), pad=st.integers(0, 2), seed=st.integers(0, 99))
 def test_matches_transformers_per_item_and_per_layer(cfg, grid_list, pad, seed):
     model = hf_vision_model(cfg, seed)
-    patches = random_patches(grid_list, cfg.patch_dim, seed)
+    patches = patches_for(grid_list, np.random.default_rng(seed), cfg.patch_dim)
     expected, hf_states = hf_encode(model, patches, grid_list, pad_tokens=pad)
     tower = VisionTower(cfg, tree_of(model.state_dict()))
     packing, out = tower.run(patches, grid_list)
@@ -76,7 +77,7 @@ def test_matches_transformers_per_item_and_per_layer(cfg, grid_list, pad, seed):
 def test_embed_matches_transformers_image_features(cfg, grid_list, seed):
     cfg = VisionConfig(**{**cfg.__dict__, "text_hidden_size": 20})
     model = hf_full_model(cfg, seed, text_hidden=20)
-    patches = random_patches(grid_list, cfg.patch_dim, seed)
+    patches = patches_for(grid_list, np.random.default_rng(seed), cfg.patch_dim)
     values, pos = hf_padded_inputs(patches, grid_list)
     with torch.no_grad():
         expected = model.get_image_features(values, pos).pooler_output
@@ -98,7 +99,7 @@ def test_embed_matches_transformers_image_features(cfg, grid_list, seed):
 def test_item_unchanged_by_other_items_and_budget(cfg, grid_list, extra, seed):
     model = hf_vision_model(cfg, seed)
     tower = VisionTower(cfg, tree_of(model.state_dict()))
-    patches = random_patches(grid_list, cfg.patch_dim, seed)
+    patches = patches_for(grid_list, np.random.default_rng(seed), cfg.patch_dim)
     together = tower.encode(patches, grid_list)
     tokens = sum(h * w for h, w in grid_list) // 9
     budgeted = tower.encode(patches, grid_list, budget=tokens + extra)
@@ -113,7 +114,7 @@ def test_item_unchanged_by_other_items_and_budget(cfg, grid_list, extra, seed):
 def test_dense_mask_equals_per_item_attention_float64_with_garbage_filler(cfg, grid_list, extra):
     model = hf_vision_model(cfg, 0)
     tower = VisionTower(cfg, tree_of(model.state_dict()), dtype=np.float64)
-    patches = random_patches(grid_list, cfg.patch_dim, 1)
+    patches = patches_for(grid_list, np.random.default_rng(1), cfg.patch_dim)
     tokens = sum(h * w for h, w in grid_list) // 9
     packing, flat = tower.pack(patches, grid_list, budget=tokens + extra)
     garbage = flat.astype(np.float64)
@@ -157,7 +158,7 @@ def test_bad_input_names_the_value(grid_list, patches_fn, message):
 def test_budget_smaller_than_items_is_refused():
     cfg = small_config(num_hidden_layers=1)
     tower = VisionTower(cfg, tree_of(hf_vision_model(cfg, 0).state_dict()))
-    patches = random_patches([(6, 6)], cfg.patch_dim, 0)
+    patches = patches_for([(6, 6)], np.random.default_rng(0), cfg.patch_dim)
     with pytest.raises(ValueError, match="budget=3 soft tokens is smaller than the 4"):
         tower.encode(patches, [(6, 6)], budget=3)
 
@@ -166,7 +167,7 @@ def test_embed_without_embed_vision_weights_is_refused():
     cfg = small_config(num_hidden_layers=1)
     tower = VisionTower(cfg, tree_of(hf_vision_model(cfg, 0).state_dict()))
     with pytest.raises(ValueError, match="embed_vision weights"):
-        tower.embed(random_patches([(3, 3)], cfg.patch_dim, 0), [(3, 3)])
+        tower.embed(patches_for([(3, 3)], np.random.default_rng(0), cfg.patch_dim), [(3, 3)])
 
 
 def test_head_dim_72_and_gqa_like_the_31b_tower():
@@ -179,7 +180,7 @@ def test_head_dim_72_and_gqa_like_the_31b_tower():
     )
     model = hf_vision_model(cfg, 3)
     grid_list = [(3, 60), (9, 6), (3, 3)]
-    patches = random_patches(grid_list, cfg.patch_dim, 3)
+    patches = patches_for(grid_list, np.random.default_rng(3), cfg.patch_dim)
     expected, _ = hf_encode(model, patches, grid_list)
     got = VisionTower(cfg, tree_of(model.state_dict())).encode(patches, grid_list)
     for ours, theirs in zip(got, expected, strict=True):
