@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ref.gemma4 import VisionTower, tower_forward
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.vision import QUERY_TILE
 from tests.hf_vision import (
     hf_encode,
     hf_full_model,
@@ -170,7 +171,7 @@ def test_embed_without_embed_vision_weights_is_refused():
         tower.embed(patches_for([(3, 3)], np.random.default_rng(0), cfg.patch_dim), [(3, 3)])
 
 
-def test_head_dim_72_and_gqa_like_the_31b_tower():
+def test_head_dim_72_gqa_and_a_tiled_item_like_the_31b_tower():
     cfg = small_config(
         hidden_size=48,
         num_attention_heads=4,
@@ -179,7 +180,8 @@ def test_head_dim_72_and_gqa_like_the_31b_tower():
         num_hidden_layers=2,
     )
     model = hf_vision_model(cfg, 3)
-    grid_list = [(3, 60), (9, 6), (3, 3)]
+    grid_list = [(3, 60), (9, 6), (3, 3), (36, 30)]  # 1080 patches: more than one query tile
+    assert 36 * 30 > QUERY_TILE
     patches = patches_for(grid_list, np.random.default_rng(3), cfg.patch_dim)
     expected, _ = hf_encode(model, patches, grid_list)
     got = VisionTower(cfg, tree_of(model.state_dict())).encode(patches, grid_list)
