@@ -114,6 +114,24 @@ def experts(x, gate_up, down, combine):
     return mixed.astype(x.dtype)
 
 
+def layer_mask_args(config, positions, groups, full, sliding):
+    """Each layer type's mask arguments for `Attention` (keywords of `ref.attention.reference`).
+
+    positions, groups: [B, S] (−1 = padding / text); full, sliding: {"kv_pos", "kv_group"}
+    [B, T] of the keys each layer type attends over → {layer type: kwargs}. Sliding layers get
+    the window and, with bidirectional_vision, the vision runs; full layers are causal only.
+    """
+    args = {
+        FULL: dict(q_pos=positions, kv_pos=full["kv_pos"]),
+        SLIDING: dict(
+            q_pos=positions, kv_pos=sliding["kv_pos"], sliding_window=config.sliding_window
+        ),
+    }
+    if config.bidirectional_vision:
+        args[SLIDING].update(q_group=groups, kv_group=sliding["kv_group"])
+    return args
+
+
 class Embedding(nn.Module):
     """Gemma4TextScaledWordEmbedding: `weight[ids] · scale`. ids: [...] → [..., dim]."""
 
@@ -384,14 +402,7 @@ class TextModel(nn.Module):
         sliding, sliding_write = full, full_write
         if "ring_pos" in cache:
             cache, sliding, sliding_write = ring_memory(cache, positions, groups)
-        mask_args = {
-            FULL: dict(q_pos=positions, kv_pos=full["kv_pos"]),
-            SLIDING: dict(
-                q_pos=positions, kv_pos=sliding["kv_pos"], sliding_window=c.sliding_window
-            ),
-        }
-        if c.bidirectional_vision:
-            mask_args[SLIDING].update(q_group=groups, kv_group=sliding["kv_group"])
+        mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
 
         x, keys, values, states = Layers(c, name="layers")(
