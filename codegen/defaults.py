@@ -3,7 +3,7 @@
 `python -m codegen export` without `--model` writes this checkpoint once (a real config.json +
 model.safetensors, bfloat16 like the published ones) and exports from it, so the default run
 takes the same path as a downloaded model. It holds the tensors the exported graphs use: the
-vision tower, `embed_vision`, and the text layers' attention projections.
+vision tower, `embed_vision`, and the text layers' attention (projections, q/k norms).
 
 Random weights follow the testing facts in DESIGN.md: every buffer that defaults to a neutral
 value (position table, clip bounds, std_bias/std_scale) is randomized so a bug in it shows,
@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from codegen.graphs import EMBED_VISION, TEXT_LAYER, vision_param_shapes
+from codegen.graphs import EMBED_VISION, attention_param_shapes, text_config, vision_param_shapes
 from ref.gemma4.config import VisionConfig
 
 DEFAULT_CONFIG = {
@@ -48,6 +48,14 @@ DEFAULT_CONFIG = {
         "num_key_value_heads": 2,
         "head_dim": 16,
         "rms_norm_eps": 1e-6,
+        # layer 0 sliding (window 8 < seq_len 16: it bites), layer 1 full with a wider head,
+        # proportional RoPE, values = keys (attention_k_eq_v), bidirectional vision runs
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 2,
+        "attention_k_eq_v": True,
+        "use_bidirectional_attention": "vision",
     },
 }
 SEED = 20260
@@ -79,17 +87,9 @@ def default_tensors(config=None, seed=SEED):
     vision = VisionConfig.from_hf(config)
     shapes = {"model.vision_tower." + n: s for n, s in vision_param_shapes(vision).items()}
     shapes[EMBED_VISION] = (vision.text_hidden_size, vision.hidden_size)
-    text = config["text_config"]
-    d, hd = text["hidden_size"], text["head_dim"]
-    q, kv = text["num_attention_heads"] * hd, text["num_key_value_heads"] * hd
-    for i in range(text["num_hidden_layers"]):
-        for proj, shape in (
-            ("q_proj", (q, d)),
-            ("k_proj", (kv, d)),
-            ("v_proj", (kv, d)),
-            ("o_proj", (d, q)),
-        ):
-            shapes[TEXT_LAYER.format(i=i, proj=proj)] = shape
+    text = text_config(config)
+    for i in range(text.num_hidden_layers):
+        shapes.update(attention_param_shapes(text, i))
     rng = np.random.default_rng(seed)
     return {
         name: np.asarray(_random(name, shape, rng)).astype(ml_dtypes.bfloat16)

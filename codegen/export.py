@@ -87,7 +87,7 @@ def plan(checkpoint, opts):
                 checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
             )
         )
-    uniform = opts.blocking and graphs.uniform_attention_layers(checkpoint.config, shapes)
+    uniform = opts.blocking and graphs.attention_layers_available(checkpoint.config, shapes)
     seen = {}
     for mode, options in opts.blocking if uniform else ():
         seen[mode] = seen.get(mode, 0) + 1

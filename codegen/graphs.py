@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable
+from functools import lru_cache, partial
 
 import flax.linen as nn
 import jax
@@ -26,17 +27,20 @@ from jax2onnx.plugins.plugin_system import PLUGIN_REGISTRY
 from ref import attention, cache
 from ref.blocking import BlockingConfig
 from ref.cache import fold as fold_cache
-from ref.cache import unfold
+from ref.cache import scatter_positions, unfold
+from ref.gemma4 import text as T
 from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack
-from ref.layers import linear
+from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
-# The repeated layer being exported: {"layer": (module, n_inputs, treedef)}, filled by the
-# interceptor and read by `layer_function`, which jax2onnx may trace again after the call
-# returns; so it lives for the whole export (`layer_scope`). "inside" stops re-interception.
+# The repeated layers being exported: {slot: (module, n_inputs, treedef)}, filled by the
+# interceptor and read by the slot's layer function, which jax2onnx may trace again after the
+# call returns; so it lives for the whole export (`layer_scope`). One slot per distinct layer
+# (the vision layer; each text attention layer type), each its own ONNX function, because the
+# retrace sees only the slot's last module. "inside" stops re-interception.
 _LAYER = contextvars.ContextVar("codegen_layer", default=None)
 _INSIDE = contextvars.ContextVar("codegen_inside_layer", default=False)
 
@@ -112,9 +116,9 @@ def flatten(tree, prefix=""):
     return dict(sorted(flat.items()))
 
 
-def _apply_layer(x, *args):
+def _apply_layer(slot, x, *args):
     """The repeated layer on `x`, its other inputs, then its weights (module from `_LAYER`)."""
-    module, n_inputs, treedef = _LAYER.get()["layer"]
+    module, n_inputs, treedef = _LAYER.get()[slot]
     params = jax.tree_util.tree_unflatten(treedef, args[n_inputs:])
     token = _INSIDE.set(True)
     try:
@@ -126,24 +130,42 @@ def _apply_layer(x, *args):
 def layer_function(x, *args):
     """One repeated layer as an ONNX function (module-level, flat array arguments: what
     jax2onnx's `@onnx_function` needs). Calls through this name are patched while tracing."""
-    return _apply_layer(x, *args)
+    return _apply_layer("layer", x, *args)
 
 
-def layer_function_multi(x, *args):
-    """`layer_function` for a layer that returns a tuple (a separate ONNX function because a
+def sliding_attention_function(x, *args):
+    """A sliding-window text attention layer as an ONNX function returning a tuple (a
     jax2onnx function primitive is either single- or multiple-result)."""
-    return tuple(_apply_layer(x, *args))
+    return tuple(_apply_layer(SLIDING, x, *args))
+
+
+def full_attention_function(x, *args):
+    """A full-attention text layer as an ONNX function returning a tuple."""
+    return tuple(_apply_layer(FULL, x, *args))
 
 
 onnx_function(layer_function, unique=True, name="Layer")
-onnx_function(layer_function_multi, unique=True, name="LayerN")
+onnx_function(sliding_attention_function, unique=True, name="SlidingAttentionLayer")
+onnx_function(full_attention_function, unique=True, name="FullAttentionLayer")
 # As jax2onnx's own multi-output example does (plugins/examples/eqx/gpt_oss.py).
-PLUGIN_REGISTRY[f"onnx_fn::{__name__}.layer_function_multi"].primitive.multiple_results = True
+for _fn in (sliding_attention_function, full_attention_function):
+    PLUGIN_REGISTRY[f"onnx_fn::{__name__}.{_fn.__name__}"].primitive.multiple_results = True
+# By name: jax2onnx patches the module attribute while tracing, so the call must look it up.
+_FUNCTIONS = {
+    "layer": "layer_function",
+    SLIDING: "sliding_attention_function",
+    FULL: "full_attention_function",
+}
 
 
-def _route_layers(layer_type, use_functions, multi=False):
-    """An interceptor sending each `layer_type.__call__` through `layer_function` (or
-    `layer_function_multi` for a layer returning a tuple)."""
+def _layer_type(module):
+    """The slot of a text attention layer: its layer type."""
+    return module.config.layer_types[module.layer]
+
+
+def _route_layers(layer_type, use_functions, slot=lambda module: "layer"):
+    """An interceptor sending each `layer_type.__call__` through its slot's layer function
+    (`slot(module)` names it: "layer", or a text layer type)."""
 
     def interceptor(next_fun, args, kwargs, context):
         mine = isinstance(context.module, layer_type) and context.method_name == "__call__"
@@ -156,11 +178,11 @@ def _route_layers(layer_type, use_functions, multi=False):
         state = _LAYER.get()
         if state is None:
             raise GraphError("layers are routed only inside codegen.graphs.layer_scope()")
-        state["layer"] = (module.clone(parent=None, name=None), len(args) - 1, treedef)
+        key = slot(module)
+        state[key] = (module.clone(parent=None, name=None), len(args) - 1, treedef)
         if use_functions:
-            call = layer_function_multi if multi else layer_function
-            return call(*args, *leaves)
-        return _apply_layer(*args, *leaves)
+            return globals()[_FUNCTIONS[key]](*args, *leaves)
+        return _apply_layer(key, *args, *leaves)
 
     return interceptor
 
@@ -354,122 +376,139 @@ def blocking_config(mode, options):
     return BlockingConfig(mode=base, **options)
 
 
-class SelfAttention(nn.Module):
-    """Projections, cache write at the token positions, (blocked) attention, output projection.
+class AttentionLayer(nn.Module):
+    """`layers.{i}`: Gemma 4's text attention over this layer's own KV cache, plus the residual.
 
-    Not Gemma 4's text attention (no norms, no RoPE: that graph comes with the text model);
-    this is the cache + blocking path QAIC runs, with the checkpoint's projection weights.
+    The attention is `ref.gemma4.text.Attention` itself (as `self_attn`: q/k/v projections,
+    q/k/v norms, the layer type's RoPE, scale 1, attention_k_eq_v); this module only chooses
+    its cache write (`ref.cache.update`, slot = position), its mask arguments
+    (`ref.gemma4.text.layer_mask_args`) and its kernel (`ref.attention.blocked` in one mode,
+    or the dense `reference` when `blocking` is None).
     """
 
-    heads: int
-    kv_heads: int
-    head_dim: int
+    config: TextConfig
+    layer: int
     blocking: BlockingConfig | None
 
     @nn.compact
-    def __call__(self, h, position_ids, past_key, past_value):
+    def __call__(self, h, position_ids, past_key, past_value, *group_ids):
         """h: [B, S, D]; position_ids: [B, S] (−1 = padding); past_*: [B, Hkv, T, hd] (or
-        [1, B·Hkv, T, hd] with batch_fold) → (h [B, S, D], key, value like past_*)."""
-        b, s, d = h.shape
-        hd = self.head_dim
-
-        def project(name, heads):
-            y = linear(h, V.Weight((heads * hd, d), name=name)())
-            return jnp.swapaxes(y.reshape(b, s, heads, hd), 1, 2)
-
-        q = project("q_proj", self.heads)
-        k, v = project("k_proj", self.kv_heads), project("v_proj", self.kv_heads)
+        [1, B·Hkv, T, hd] with batch_fold); group_ids: ([B, S] vision-run ids, −1 = text) iff
+        the config's vision runs are bidirectional → (h [B, S, D], key, value like past_*)."""
+        c, b = self.config, h.shape[0]
         fold = self.blocking is not None and self.blocking.batch_fold
         if fold:
             past_key, past_value = unfold(past_key, b), unfold(past_value, b)
-        key, value = cache.update(past_key, past_value, k, v, position_ids)
-        kv_pos = cache.causal_positions(position_ids, key.shape[2])
-        scale = hd**-0.5
-        if self.blocking is None:
-            out = attention.reference(q, key, value, position_ids, kv_pos, scale=scale)
-        else:
-            if fold:
-                key, value = fold_cache(key), fold_cache(value)
-            out = attention.blocked(
-                q, key, value, position_ids, kv_pos, config=self.blocking, scale=scale
-            )
-        out = jnp.swapaxes(out, 1, 2).reshape(b, s, self.heads * hd)
-        return h + linear(out, V.Weight((d, self.heads * hd), name="o_proj")()), key, value
+        kv_pos = cache.causal_positions(position_ids, past_key.shape[2])
+        groups = group_ids[0] if group_ids else None
+        # Only this call's run ids matter: every cached key of an earlier call sits at a
+        # smaller position than all of this call's queries, so it is visible causally anyway.
+        kv_group = None
+        if groups is not None:
+            kv_group = scatter_positions(jnp.full_like(kv_pos, -1), groups, position_ids)
+        seen = {"kv_pos": kv_pos, "kv_group": kv_group}
+        mask_args = T.layer_mask_args(c, position_ids, groups, seen, seen)
+        kernel = attention.reference
+        if self.blocking is not None:
+            kernel = partial(attention.blocked, config=self.blocking)
 
+        def write(kv, k, v):
+            stored = cache.update(*kv, k, v, position_ids)
+            return stored, tuple(fold_cache(x) for x in stored) if fold else stored
 
-class AttentionLayer(nn.Module):
-    """`layers.{i}`: holds `self_attn` (the checkpoint's naming)."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    blocking: BlockingConfig | None
-
-    @nn.compact
-    def __call__(self, h, position_ids, past_key, past_value):
-        attn = SelfAttention(
-            self.heads, self.kv_heads, self.head_dim, self.blocking, name="self_attn"
+        out, (key, value), _ = T.Attention(c, self.layer, name="self_attn")(
+            h,
+            position_ids,
+            (past_key, past_value),
+            mask_args[c.layer_types[self.layer]],
+            kernel,
+            write,
         )
-        return attn(h, position_ids, past_key, past_value)
+        if fold:
+            key, value = fold_cache(key), fold_cache(value)
+        return h + out, key, value
 
 
 class AttentionLayers(nn.Module):
-    """`model.language_model.layers`: n layers, each with its own retained KV cache."""
+    """`model.language_model.layers`: the first n layers, each with its own retained KV cache."""
 
+    config: TextConfig
     n: int
-    heads: int
-    kv_heads: int
-    head_dim: int
     blocking: BlockingConfig | None
 
     @nn.compact
-    def __call__(self, h, position_ids, caches):
-        """caches: (key, value) per layer → (h, new caches in the same order)."""
+    def __call__(self, h, position_ids, caches, group_ids):
+        """caches: (key, value) per layer; group_ids: () or ([B, S],) → (h, new caches)."""
         new = []
         for i in range(self.n):
-            dims = (self.heads, self.kv_heads, self.head_dim, self.blocking)
-            h, key, value = AttentionLayer(*dims, name=str(i))(h, position_ids, *caches[i])
+            layer = AttentionLayer(self.config, i, self.blocking, name=str(i))
+            h, key, value = layer(h, position_ids, *caches[i], *group_ids)
             new.append((key, value))
         return h, tuple(new)
 
 
-TEXT_LAYER = "model.language_model.layers.{i}.self_attn.{proj}.weight"
+TEXT_LAYERS = "model.language_model.layers."
 
 
-def text_dims(checkpoint_config):
-    """(hidden, heads, kv_heads, head_dim, layers) of the text part of a Gemma 4 config."""
-    text = checkpoint_config.get("text_config")
-    if not isinstance(text, dict):
+def text_config(checkpoint_config):
+    """The `TextConfig` of a Gemma 4 checkpoint's text part, None without a text_config."""
+    if not isinstance(checkpoint_config.get("text_config"), dict):
         return None
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-    missing = [k for k in keys if k not in text]
-    if missing:
-        raise GraphError(f"text_config lacks {missing}")
-    return tuple(int(text[k]) for k in keys) + (int(text.get("num_hidden_layers", 0)),)
+    try:
+        return TextConfig.from_hf(checkpoint_config)
+    except ValueError as e:
+        raise GraphError(f"text_config: {e}") from e
 
 
-def _projection_shapes(d, heads, kv_heads, hd):
-    return {
-        "q_proj": (heads * hd, d),
-        "k_proj": (kv_heads * hd, d),
-        "v_proj": (kv_heads * hd, d),
-        "o_proj": (d, heads * hd),
-    }
+def _cache_shape(cfg, i):
+    return (cfg.kv_heads[i], cfg.head_dims[i])
 
 
-def uniform_attention_layers(checkpoint_config, tensor_shapes):
-    """How many leading text layers have q/k/v/o projections of the config's head layout
-    (Gemma 4's full-attention layers may use other head sizes or share k and v)."""
-    dims = text_dims(checkpoint_config)
-    if dims is None:
+@lru_cache(maxsize=256)
+def attention_param_shapes(cfg, i):
+    """{checkpoint name: shape} of text layer i's attention parameters."""
+    kv = jnp.zeros((1, cfg.kv_heads[i], 1, cfg.head_dims[i]), jnp.float32)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    groups = (pos,) if cfg.bidirectional_vision else ()
+    h = jnp.zeros((1, 1, cfg.hidden_size), jnp.float32)
+    layer = AttentionLayer(cfg, i, None)
+    shapes = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), h, pos, kv, kv, *groups))
+    return {n: tuple(s.shape) for n, s in flatten(shapes["params"], f"{TEXT_LAYERS}{i}.").items()}
+
+
+def attention_layers_available(checkpoint_config, tensor_shapes):
+    """How many leading text layers an attention graph can stack: layers that own their KV
+    cache (KV-sharing consumers have none), whose tensors the checkpoint holds with the
+    config's shapes, and whose head layout equals that of the first layer of their type
+    (each layer type is one ONNX function, so its layers must share shapes)."""
+    cfg = text_config(checkpoint_config)
+    if cfg is None:
         return 0
-    want = _projection_shapes(*dims[:4])
-    n = 0
-    while all(
-        tuple(tensor_shapes.get(TEXT_LAYER.format(i=n, proj=p), ())) == s for p, s in want.items()
-    ):
-        n += 1
-    return n
+    first_of_type = {}
+    for i in range(cfg.num_hidden_layers):
+        kind = cfg.layer_types[i]
+        first_of_type.setdefault(kind, i)
+        same_layout = _cache_shape(cfg, i) == _cache_shape(cfg, first_of_type[kind])
+        present = all(
+            tuple(tensor_shapes.get(n, ())) == s for n, s in attention_param_shapes(cfg, i).items()
+        )
+        if cfg.shares_kv(i) or not same_layout or not present:
+            return i
+    return cfg.num_hidden_layers
+
+
+def _group_ids(positions, rng):
+    """Random vision runs [B, S] int32: per row one run of valid tokens (id = its first
+    position, as `ref.gemma4.text.vision_runs` numbers them) or none; −1 elsewhere."""
+    b, s = positions.shape
+    groups = np.full((b, s), -1, np.int32)
+    for r in range(b):
+        valid = int(np.sum(positions[r] >= 0))
+        if valid and rng.random() < 0.8:
+            lo = int(rng.integers(0, valid))
+            hi = int(rng.integers(lo + 1, valid + 1))
+            groups[r, lo:hi] = positions[r, lo]
+    return groups
 
 
 def attention_graph(
@@ -485,61 +524,72 @@ def attention_graph(
     ctx_len,
     use_functions=True,
 ):
-    """A stack of `layers` attention layers in one blocking mode, KV cache as retained state.
+    """A stack of the first `layers` Gemma 4 text attention layers in one blocking mode, each
+    layer's KV cache as retained state (its own shape: full layers may have wider heads).
 
     Static shapes (block boundaries are compile-time constants); the graph's I/O carry the
     symbols batch_size, seq_len, ctx_len, bound by its one specialization.
     """
-    dims = text_dims(checkpoint_config)
-    if dims is None:
+    cfg = text_config(checkpoint_config)
+    if cfg is None:
         raise GraphError("no text_config: a vision-only checkpoint has no attention graphs")
-    d, heads, kv_heads, hd, available = dims
+    available = attention_layers_available(checkpoint_config, tensor_shapes)
     if not 1 <= layers <= available:
-        raise GraphError(f"attention layers {layers}: the checkpoint has 1..{available}")
+        raise GraphError(
+            f"attention layers {layers}: the checkpoint has 1..{available} stackable layers "
+            "(leading layers owning their KV cache, one head layout per layer type)"
+        )
     if seq_len > ctx_len:
         raise GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
     try:
         blocking = blocking_config(mode, options)
         if blocking is not None:
-            blocking.plan(batch_size, heads, kv_heads, seq_len, ctx_len)
+            for kv_heads in sorted({cfg.kv_heads[i] for i in range(layers)}):
+                blocking.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, ctx_len)
     except ValueError as e:
         raise GraphError(f"blocking {mode!r} {options}: {e}") from e
-    expected = {
-        TEXT_LAYER.format(i=i, proj=p): s
-        for i in range(layers)
-        for p, s in _projection_shapes(d, heads, kv_heads, hd).items()
-    }
+    expected = {n: s for i in range(layers) for n, s in attention_param_shapes(cfg, i).items()}
     _require(tensor_shapes, expected)
     names = tuple(sorted(expected))
     fold = blocking is not None and blocking.batch_fold
-    cache_shape = (
-        (1, "batch_kv_heads", "ctx_len", hd) if fold else ("batch_size", kv_heads, "ctx_len", hd)
-    )
     symbols = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
-    if fold:
-        symbols["batch_kv_heads"] = batch_size * kv_heads
+
+    def cache_shape(i):
+        kv_heads, hd = _cache_shape(cfg, i)
+        if not fold:
+            return ("batch_size", kv_heads, "ctx_len", hd)
+        rows = "batch_kv_heads" if kv_heads == cfg.kv_heads[0] else f"batch_kv_heads_{kv_heads}"
+        symbols[rows] = batch_size * kv_heads
+        return (1, rows, "ctx_len", hd)
+
     act = (
-        Tensor("hidden_states", ("batch_size", "seq_len", d), "float32"),
+        Tensor("hidden_states", ("batch_size", "seq_len", cfg.hidden_size), "float32"),
         Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
     )
+    if cfg.bidirectional_vision:
+        act += (Tensor("group_ids", ("batch_size", "seq_len"), "int32"),)
     cache_in = tuple(
-        Tensor(f"past_{kind}.{i}", cache_shape, "float32")
+        Tensor(f"past_{kind}.{i}", cache_shape(i), "float32")
         for i in range(layers)
         for kind in ("key", "value")
     )
     outputs = (Tensor("hidden_states_out", act[0].shape, "float32"),) + tuple(
         Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in
     )
-    stack = AttentionLayers(layers, heads, kv_heads, hd, blocking)
-    dense = AttentionLayers(layers, heads, kv_heads, hd, None)
+    stack = AttentionLayers(cfg, layers, blocking)
+    dense = AttentionLayers(cfg, layers, None)
+    n_act = len(act)
 
     def forward(module, routed):
-        def fn(hidden_states, position_ids, *rest):
-            caches = rest[: 2 * layers]
-            params = nest(names, rest[2 * layers :])["model"]["language_model"]["layers"]
+        def fn(*args):
+            (hidden_states, position_ids, *groups), caches = args[:n_act], args[n_act:]
+            params = nest(names, caches[2 * layers :], TEXT_LAYERS)
+            caches = caches[: 2 * layers]
             pairs = tuple(zip(caches[0::2], caches[1::2], strict=True))
-            with nn.intercept_methods(_route_layers(AttentionLayer, routed, multi=True)):
-                h, new = module.apply({"params": params}, hidden_states, position_ids, pairs)
+            with nn.intercept_methods(_route_layers(AttentionLayer, routed, slot=_layer_type)):
+                h, new = module.apply(
+                    {"params": params}, hidden_states, position_ids, pairs, tuple(groups)
+                )
             return (h,) + tuple(x for pair in new for x in pair)
 
         return fn
@@ -549,23 +599,25 @@ def attention_graph(
     def reference(feed, weights):
         args = [feed[t.name] for t in act + cache_in]
         if fold:
-            args[2:] = [unfold(jnp.asarray(a), batch_size) for a in args[2:]]
+            args[n_act:] = [unfold(jnp.asarray(a), batch_size) for a in args[n_act:]]
         out = plain(*args, *(jnp.asarray(weights[n], jnp.float32) for n in names))
         out = [out[0]] + [fold_cache(x) if fold else x for x in out[1:]]
         return {t.name: np.asarray(x) for t, x in zip(outputs, out, strict=True)}
 
     def sample(sym, rng):
         """Contiguous positions from a random start (a prefix of the cache is history);
-        a random tail of each row is padding (−1)."""
+        a random tail of each row is padding (−1); a random vision run per row."""
         b, s, t = sym["batch_size"], sym["seq_len"], sym["ctx_len"]
         start = rng.integers(0, t - s + 1, (b, 1))
         pos = (start + np.arange(s)[None, :]).astype(np.int32)
         pad = rng.integers(0, s // 2 + 1, b)
         pos[np.arange(s)[None, :] >= (s - pad)[:, None]] = -1
         feed = {
-            "hidden_states": rng.standard_normal((b, s, d), dtype=np.float32),
+            "hidden_states": rng.standard_normal((b, s, cfg.hidden_size), dtype=np.float32),
             "position_ids": pos,
         }
+        if cfg.bidirectional_vision:
+            feed["group_ids"] = _group_ids(pos, rng)
         for tensor in cache_in:
             feed[tensor.name] = rng.standard_normal(tensor.concrete(sym), dtype=np.float32)
         return feed

@@ -1,6 +1,7 @@
 """The checks every written graph must pass (each shown to fail on the defect it guards), and
-exported graphs against independent oracles: transformers' Gemma 4 vision model, and the dense
-attention reference for every blocking mode, on hypothesis-drawn configs and shapes."""
+exported graphs against independent oracles: transformers' Gemma 4 vision model and text
+attention, and the dense attention reference for every blocking mode, on hypothesis-drawn
+configs and shapes."""
 
 import json
 import os
@@ -296,3 +297,68 @@ def test_inputs_to_initializers_roundtrip(default_model):
     names = {t.name for t in bound.graph.initializer if t.data_location == TensorProto.EXTERNAL}
     assert names == set(spec.weights)
     assert not names & {i.name for i in bound.graph.input}
+
+
+def _hf_mask(pos, groups, layer_type, window):
+    """Independent numpy mask [B, 1, S, S] (0 / −inf) for an empty-cache prefill: causal; sliding
+    layers add the window and let a vision run see itself both ways."""
+    qp, kp = pos[:, None, :, None], pos[:, None, None, :]
+    visible = kp <= qp
+    if layer_type == "sliding_attention":
+        qg, kg = groups[:, None, :, None], groups[:, None, None, :]
+        visible = (visible | ((qg == kg) & (qg >= 0))) & (qp - kp < window)
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    k_eq_v=st.booleans(),
+    mode=st.sampled_from(["none", "kv", "hqkv", "kv_batch_fold"]),
+    batch=st.integers(1, 2),
+    seq_len=st.integers(2, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_graph_is_transformers_text_attention(k_eq_v, mode, batch, seq_len, seed):
+    """The exported attention stack (a sliding then a full layer, each `h + self_attn(h)`) in
+    onnxruntime vs transformers' Gemma4TextAttention of a randomized model, prefill from an
+    empty cache with a vision run per row."""
+    from tests.text_oracle import hf_model, text_config
+
+    layer_types = ["sliding_attention", "full_attention"]
+    hf = hf_model(text_config(moe=False, layer_types=layer_types, k_eq_v=k_eq_v, window=3), seed)
+    lm = hf.model.language_model
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    shapes = {k: v.shape for k, v in state.items()}
+    options = {} if mode == "none" else graphs.DEFAULT_BLOCKING[mode]
+    spec = graphs.attention_graph(
+        hf.config.to_dict(),
+        shapes,
+        name="a",
+        mode=mode,
+        options=options,
+        layers=2,
+        batch_size=batch,
+        seq_len=seq_len,
+        ctx_len=seq_len + 3,
+    )
+    rng = np.random.default_rng(seed)
+    pos = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()
+    feed = {
+        "hidden_states": rng.standard_normal((batch, seq_len, 32), dtype=np.float32),
+        "position_ids": pos,
+        "group_ids": graphs._group_ids(pos, rng),
+    }
+    for t in spec.inputs[3:]:
+        feed[t.name] = np.zeros(t.concrete(spec.specializations[0]["symbols"]), np.float32)
+    model = trace(spec, state)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {**feed, **{n: state[n] for n in spec.weights}})[0]
+
+    h = torch.from_numpy(feed["hidden_states"])
+    with torch.no_grad():
+        for i, layer_type in enumerate(layer_types):
+            rope = lm.rotary_emb(h, torch.from_numpy(pos).long(), layer_type)
+            mask = torch.from_numpy(_hf_mask(pos, feed["group_ids"], layer_type, 3))
+            out, _ = lm.layers[i].self_attn(h, rope, mask, {})
+            h = h + out
+    assert rel_err(got, h.numpy()) <= RTOL
