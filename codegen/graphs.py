@@ -487,12 +487,12 @@ def attention_layers_available(checkpoint_config, tensor_shapes):
     first_of_type = {}
     for i in range(cfg.num_hidden_layers):
         kind = cfg.layer_types[i]
-        first_of_type.setdefault(kind, i)
-        same_layout = _cache_shape(cfg, i) == _cache_shape(cfg, first_of_type[kind])
-        present = all(
-            tuple(tensor_shapes.get(n, ())) == s for n, s in attention_param_shapes(cfg, i).items()
-        )
-        if cfg.shares_kv(i) or not same_layout or not present:
+        first = first_of_type.setdefault(kind, i)
+        if cfg.shares_kv(i) or _cache_shape(cfg, i) != _cache_shape(cfg, first):
+            return i
+        if any(
+            tuple(tensor_shapes.get(n, ())) != s for n, s in attention_param_shapes(cfg, i).items()
+        ):
             return i
     return cfg.num_hidden_layers
 

@@ -362,3 +362,60 @@ def test_attention_graph_is_transformers_text_attention(k_eq_v, mode, batch, seq
             out, _ = lm.layers[i].self_attn(h, rope, mask, {})
             h = h + out
     assert rel_err(got, h.numpy()) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "layer_types, shared, head_dims, want",
+    [
+        (["sliding_attention", "full_attention", "sliding_attention"], 0, None, 3),
+        # KV-sharing consumers own no cache: the stack ends before them
+        (
+            ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            2,
+            None,
+            2,
+        ),
+        # a second sliding head layout cannot share the sliding layers' ONNX function
+        (
+            ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            0,
+            {"2": 16},
+            2,
+        ),
+    ],
+)
+def test_stackable_attention_layers(layer_types, shared, head_dims, want):
+    """How many leading layers an attention graph stacks; a missing tensor ends the stack and
+    asking for more layers is a GraphError."""
+    from tests.text_oracle import text_config
+
+    text = text_config(moe=False, layer_types=layer_types, shared=shared)
+    if head_dims is not None:
+        full = {"head_dim": text["global_head_dim"]}
+        text["per_layer_config"] = {
+            str(i): {"head_dim": head_dims[str(i)]}
+            if str(i) in head_dims
+            else (full if t == "full_attention" else {})
+            for i, t in enumerate(layer_types)
+        }
+    config = {"text_config": text}
+    cfg = graphs.text_config(config)
+    shapes = {}
+    for i in range(len(layer_types)):
+        if not cfg.shares_kv(i):
+            shapes.update(graphs.attention_param_shapes(cfg, i))
+    assert graphs.attention_layers_available(config, shapes) == want
+    missing = {n: s for n, s in shapes.items() if ".1.self_attn.q_norm" not in n}
+    assert graphs.attention_layers_available(config, missing) == 1
+    with pytest.raises(graphs.GraphError, match="stackable"):
+        graphs.attention_graph(
+            config,
+            shapes,
+            name="a",
+            mode="none",
+            options={},
+            layers=want + 1,
+            batch_size=1,
+            seq_len=2,
+            ctx_len=4,
+        )
