@@ -86,7 +86,8 @@ def parser():
     e.add_argument(
         "--attention-layers",
         type=int,
-        help="layers per attention graph (default: all the checkpoint's text layers)",
+        help="layers per attention graph (default: every leading text layer that owns its KV "
+        "cache, one head layout per layer type)",
     )
     e.add_argument("--batch-size", type=int, default=1, help="attention batch (default 1)")
     e.add_argument(
