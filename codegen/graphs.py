@@ -33,6 +33,7 @@ from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.gemma4.tower import tower_apply
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
@@ -231,15 +232,20 @@ def _vision_forward(cfg, prefix, names, use_functions, embed):
 
     def fn(patches, positions, segment_ids, pool_index, *weights):
         params = nest(names, weights)
-        with nn.intercept_methods(_route_layers(V.EncoderLayer, use_functions)):
-            out = V.VisionModel(cfg).apply(
-                {"params": _subtree(params, prefix)}, patches, positions, segment_ids, pool_index
-            )
-        pooled = out["pooled"]
+        embed_params = None
         if embed:
-            w = _subtree(params, embed_vision_name(prefix).rsplit(".", 2)[0])
-            pooled = V.EmbedVision(cfg).apply({"params": w}, pooled)
-        return (pooled,)
+            embed_params = _subtree(params, embed_vision_name(prefix).rsplit(".", 2)[0])
+        with nn.intercept_methods(_route_layers(V.EncoderLayer, use_functions)):
+            out = tower_apply(
+                _subtree(params, prefix),
+                embed_params,
+                patches,
+                positions,
+                segment_ids,
+                pool_index,
+                config=cfg,
+            )
+        return (out["embeds"] if embed else out["pooled"],)
 
     return fn
 

@@ -14,11 +14,11 @@ from ref.gemma4.vision import EmbedVision, VisionModel
 LOADER_GROUP = "gemma4_qaic.checkpoint_loaders"
 
 
-@partial(jax.jit, static_argnames=("config", "cu_seqlens"))
-def tower_forward(
+def tower_apply(
     params, embed_params, patches, positions, segment_ids, pool_index, *, config, cu_seqlens=None
 ):
-    """The packed tower, jit-compiled; `embed_params=None` skips embed_vision.
+    """The packed tower (not compiled; `tower_forward` is its jit); `embed_params=None` skips
+    embed_vision.
 
     patches: [N, 3·p·p]; positions: [N, 2]; segment_ids: [N]; pool_index: [M, k²] →
     {"pooled": [M, D], "hidden_states": L+1 × [N, D], "embeds": [M, text_hidden] or absent}.
@@ -29,6 +29,9 @@ def tower_forward(
     if embed_params is not None:
         out["embeds"] = EmbedVision(config).apply({"params": embed_params}, out["pooled"])
     return out
+
+
+tower_forward = jax.jit(tower_apply, static_argnames=("config", "cu_seqlens"))
 
 
 def checkpoint_loader():
