@@ -21,18 +21,15 @@ def _budgets(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
-def _blocking(text):
-    """MODE or MODE:opt=value,opt=value; `all` is every mode with its default options."""
-    if text == "all":
-        return [(m, dict(o)) for m, o in graphs.DEFAULT_BLOCKING.items()] + [("none", {})]
+def _mode_options(text, known):
+    """(mode, {option: value}) from MODE or MODE:opt=value,opt=value."""
     mode, _, rest = text.partition(":")
-    if mode not in graphs.DEFAULT_BLOCKING and mode != "none":
-        known = ", ".join(["all", "none", *graphs.DEFAULT_BLOCKING])
-        raise argparse.ArgumentTypeError(f"unknown blocking mode {mode!r}; expected one of {known}")
-    if not rest:
-        return [(mode, dict(graphs.DEFAULT_BLOCKING.get(mode, {})))]
+    if mode not in known:
+        raise argparse.ArgumentTypeError(
+            f"unknown blocking mode {mode!r}; expected one of {', '.join(known)}"
+        )
     options = {}
-    for item in rest.split(","):
+    for item in rest.split(",") if rest else ():
         key, eq, value = item.partition("=")
         if not eq:
             raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: expected option=value")
@@ -43,9 +40,31 @@ def _blocking(text):
                 options[key] = int(value)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{item!r}: expected an integer value") from None
-    if mode in ("kv_headpar", "kv_batch_fold"):
-        options = {**graphs.DEFAULT_BLOCKING[mode], **options}
-    return [(mode, options)]
+    return mode, options
+
+
+def _blocking(text):
+    """An attention graph's MODE[:opt=value,...], options left out taking the mode's defaults;
+    `all` is every mode with its default options, and `none` (dense)."""
+    if text == "all":
+        return [(m, dict(o)) for m, o in graphs.DEFAULT_BLOCKING.items()] + [("none", {})]
+    mode, options = _mode_options(text, ["all", "none", *graphs.DEFAULT_BLOCKING])
+    return [(mode, {**graphs.DEFAULT_BLOCKING.get(mode, {}), **options})]
+
+
+_PHASE_MODES = ["none", "q", "kv", "qkv", "online", *graphs.DEFAULT_BLOCKING]
+
+
+def _phase_blocking(text):
+    """A model graph's MODE[:opt=value,...] (options left out: the mode's defaults)."""
+    return _mode_options(text, list(dict.fromkeys(_PHASE_MODES)))
+
+
+def _graph_kinds(text):
+    kinds = tuple(k for k in text.split(",") if k)
+    if not kinds or set(kinds) - {"model", "attention"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected model, attention or model,attention")
+    return kinds
 
 
 def parser():
@@ -74,14 +93,45 @@ def parser():
         "empty: no vision graph)",
     )
     e.add_argument(
+        "--graphs",
+        type=_graph_kinds,
+        default=("model",),
+        help="what to export besides the vision tower: model (the language model's prefill "
+        "and decode graphs; the default), attention (stacks of text attention layers, one per "
+        "--blocking mode, for kernel work), or model,attention",
+    )
+    e.add_argument(
+        "--prefill-blocking",
+        type=_phase_blocking,
+        default=("none", {}),
+        metavar="MODE[:opt=v,...]",
+        help="the prefill graph's attention: none (dense, the default), q, kv, qkv, online "
+        "(QEfficient's prefill modes) or any mode of --blocking; options left out take the "
+        "mode's defaults, e.g. qkv:num_kv_blocks=4",
+    )
+    e.add_argument(
+        "--decode-blocking",
+        type=_phase_blocking,
+        default=("none", {}),
+        metavar="MODE[:opt=v,...]",
+        help="the decode graph's attention: none (dense, the default) or a mode such as kv, "
+        "hqkv, bhqkv, kv_headpar with its options (left out: the mode's defaults)",
+    )
+    e.add_argument(
+        "--sliding-ring",
+        action="store_true",
+        help="sliding-window layers keep a ring of sliding_window slots instead of ctx_len",
+    )
+    e.add_argument(
         "--blocking",
         type=_blocking,
         action="append",
         metavar="MODE[:opt=v,...]",
-        help="an attention graph per use: a mode (kv, q, h, qkv, hq, hkv, hqkv, "
-        "bhqkv, kv_headpar, kv_batch_fold, prefill_q, prefill_kv, prefill_qkv, "
+        help="with --graphs attention, an attention graph per use: a mode (kv, q, h, qkv, hq, "
+        "hkv, hqkv, bhqkv, kv_headpar, kv_batch_fold, prefill_q, prefill_kv, prefill_qkv, "
         "prefill_online, none = dense) with QEfficient block options such as "
-        "num_kv_blocks=4,head_block_size=2; `all` = every mode (the default)",
+        "num_kv_blocks=4,head_block_size=2 (options left out: the mode's defaults); "
+        "`all` = every mode (the default)",
     )
     e.add_argument(
         "--attention-layers",
@@ -89,15 +139,22 @@ def parser():
         help="layers per attention graph (default: every leading text layer that owns its KV "
         "cache, one head layout per layer type)",
     )
-    e.add_argument("--batch-size", type=int, default=1, help="attention batch (default 1)")
     e.add_argument(
-        "--seq-len", type=int, default=16, help="tokens per attention call (default 16; 1 = decode)"
+        "--batch-size", type=int, default=1, help="batch of every text graph (default 1)"
+    )
+    e.add_argument(
+        "--seq-len",
+        type=int,
+        default=16,
+        help="tokens per prefill chunk and attention call (default 16; decode is 1); a "
+        "prompt's image runs must each fit in one chunk",
     )
     e.add_argument(
         "--ctx-len",
         type=int,
         default=256,
-        help="KV cache length; every vision budget must be < ctx_len (default 256)",
+        help="KV cache length; with language graphs every vision budget must be < ctx_len "
+        "(default 256)",
     )
     e.add_argument(
         "--weights",

@@ -2,8 +2,8 @@
 
 `python -m codegen export` without `--model` writes this checkpoint once (a real config.json +
 model.safetensors, bfloat16 like the published ones) and exports from it, so the default run
-takes the same path as a downloaded model. It holds the tensors the exported graphs use: the
-vision tower, `embed_vision`, and the text layers' attention (projections, q/k norms).
+takes the same path as a downloaded model. It holds every tensor of a Gemma 4 VLM: the vision
+tower, `embed_vision` and the whole text decoder (per-layer embeddings, KV sharing, k_eq_v).
 
 Random weights follow the testing facts in DESIGN.md: every buffer that defaults to a neutral
 value (position table, clip bounds, std_bias/std_scale) is randomized so a bug in it shows,
@@ -17,8 +17,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from codegen.graphs import EMBED_VISION, attention_param_shapes, text_config, vision_param_shapes
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.params import EMBED_VISION, text_param_shapes, vision_param_shapes
+from ref.gemma4.text_config import TextConfig
 
 DEFAULT_CONFIG = {
     "architectures": ["Gemma4ForConditionalGeneration"],
@@ -42,21 +43,40 @@ DEFAULT_CONFIG = {
     },
     "text_config": {
         "model_type": "gemma4_text",
+        "vocab_size": 256,
         "hidden_size": 48,
-        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "rms_norm_eps": 1e-6,
         # layer 0 sliding (window 8 < seq_len 16: it bites), layer 1 full with a wider head,
-        # proportional RoPE, values = keys (attention_k_eq_v), bidirectional vision runs
-        "layer_types": ["sliding_attention", "full_attention"],
+        # proportional RoPE, values = keys (attention_k_eq_v); layers 2 and 3 reuse the keys
+        # and values of 0 and 1 (KV sharing); per-layer embeddings; bidirectional vision runs
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
         "sliding_window": 8,
         "global_head_dim": 32,
         "num_global_key_value_heads": 2,
         "attention_k_eq_v": True,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 256,
+        "final_logit_softcapping": 30.0,
         "use_bidirectional_attention": "vision",
+        "pad_token_id": 0,
     },
+    "image_token_id": 4,
+    "boi_token_id": 5,
+    "eoi_token_id": 6,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
 }
 SEED = 20260
 CACHE_ENV = "GEMMA4_QAIC_CACHE"
@@ -87,9 +107,7 @@ def default_tensors(config=None, seed=SEED):
     vision = VisionConfig.from_hf(config)
     shapes = {"model.vision_tower." + n: s for n, s in vision_param_shapes(vision).items()}
     shapes[EMBED_VISION] = (vision.text_hidden_size, vision.hidden_size)
-    text = text_config(config)
-    for i in range(text.num_hidden_layers):
-        shapes.update(attention_param_shapes(text, i))
+    shapes.update(text_param_shapes(TextConfig.from_hf(config)))
     rng = np.random.default_rng(seed)
     return {
         name: np.asarray(_random(name, shape, rng)).astype(ml_dtypes.bfloat16)

@@ -7,8 +7,10 @@ folder is itself a checkpoint `verify` can reopen. It is built in a temporary si
 renamed into place: a failed export leaves nothing behind.
 """
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
@@ -20,7 +22,7 @@ import jax
 from jax2onnx import to_onnx
 from jax2onnx.plugins import plugin_system
 
-from codegen import checks, external, graphs, qaic
+from codegen import checks, external, graphs, model_graphs, qaic
 from codegen.ops import OPSET
 from weights import open_checkpoint
 
@@ -39,7 +41,11 @@ class ExportOptions:
     out: Path
     model: Path | None = None
     budgets: tuple = (70, 140)
-    blocking: tuple = ()  # ((mode, {option: value}), ...)
+    graphs: tuple = ("model",)  # "model" (vision, prefill, decode) and/or "attention"
+    prefill_blocking: tuple = ("none", {})  # (mode, {option: value})
+    decode_blocking: tuple = ("none", {})
+    sliding_ring: bool = False
+    blocking: tuple = ()  # attention graphs: ((mode, {option: value}), ...)
     attention_layers: int | None = None
     batch_size: int = 1
     seq_len: int = 16
@@ -71,25 +77,56 @@ class ExportOptions:
                 raise ExportError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.attention_layers is not None and self.attention_layers < 1:
             raise ExportError(f"--attention-layers {self.attention_layers}: must be >= 1")
+        unknown = set(self.graphs) - {"model", "attention"}
+        if unknown or not self.graphs:
+            raise ExportError(f"--graphs {list(self.graphs)}: expected 'model' and/or 'attention'")
         try:
-            graphs.check_budgets(self.budgets, self.ctx_len)
+            graphs.check_budgets(self.budgets, None)
         except graphs.GraphError as e:
             raise ExportError(str(e)) from e
 
 
 def plan(checkpoint, opts):
-    """The GraphSpecs this checkpoint and these options ask for (vision-only → vision only)."""
+    """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
+    checkpoint has one), then the language model's prefill and decode graphs (`--graphs
+    model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
+    language = "model" in opts.graphs and model_graphs.text_prefix(shapes) is not None
+    language = language and model_graphs.model_config(checkpoint.config) is not None
     specs = []
     if opts.budgets and graphs.vision_prefix(shapes) is not None:
+        # vision_size < ctx_len binds only where a language graph reads the soft tokens
+        graphs.check_budgets(opts.budgets, opts.ctx_len if language else None)
         specs.append(
             graphs.vision_graph(
                 checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
             )
         )
-    uniform = opts.blocking and graphs.attention_layers_available(checkpoint.config, shapes)
+    if language:
+        for phase, (mode, options) in (
+            ("prefill", opts.prefill_blocking),
+            ("decode", opts.decode_blocking),
+        ):
+            specs.append(
+                model_graphs.model_graph(
+                    checkpoint.config,
+                    shapes,
+                    phase=phase,
+                    mode=mode,
+                    options=options,
+                    batch_size=opts.batch_size,
+                    seq_len=opts.seq_len,
+                    ctx_len=opts.ctx_len,
+                    budgets=opts.budgets,
+                    sliding_ring=opts.sliding_ring,
+                    use_functions=opts.sub_functions,
+                )
+            )
+    stackable = "attention" in opts.graphs and graphs.attention_layers_available(
+        checkpoint.config, shapes
+    )
     seen = {}
-    for mode, options in opts.blocking if uniform else ():
+    for mode, options in opts.blocking if stackable else ():
         seen[mode] = seen.get(mode, 0) + 1
         name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
         specs.append(
@@ -99,7 +136,7 @@ def plan(checkpoint, opts):
                 name=name,
                 mode=mode,
                 options=options,
-                layers=opts.attention_layers or uniform,
+                layers=opts.attention_layers or stackable,
                 batch_size=opts.batch_size,
                 seq_len=opts.seq_len,
                 ctx_len=opts.ctx_len,
@@ -108,8 +145,8 @@ def plan(checkpoint, opts):
         )
     if not specs:
         raise ExportError(
-            f"{checkpoint.dir}: nothing to export (no vision tower tensors, and no text "
-            "attention tensors or no --blocking)"
+            f"{checkpoint.dir}: nothing to export (no vision tower tensors, no text decoder "
+            f"for --graphs model, no stackable attention layers for --graphs attention)"
         )
     return specs
 
@@ -128,16 +165,29 @@ def _load_jax_plugins():
     plugin_system._already_imported_plugins = True
 
 
+@contextlib.contextmanager
+def _quiet_onnx_ir():
+    """onnx_ir logs a warning per shape-only constant it serializes ("value type ... not
+    known"): dozens per graph, none actionable. Keep its errors."""
+    logger = logging.getLogger("onnx_ir")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def trace(spec, tensors):
     """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
-    symbols = spec.specializations[0]["symbols"] if spec.static else None
+    first = spec.specializations[0]["symbols"]
+    bound = {k: v for k, v in first.items() if k in spec.static}
     args = [
-        jax.ShapeDtypeStruct(t.concrete(symbols) if spec.static else t.shape, t.dtype)
-        for t in spec.inputs
+        jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), t.dtype) for t in spec.inputs
     ]
     args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
     _load_jax_plugins()
-    with jax.enable_x64(False), graphs.layer_scope():
+    with jax.enable_x64(False), graphs.layer_scope(), _quiet_onnx_ir():
         model = to_onnx(
             spec.fn,
             args,
@@ -340,6 +390,9 @@ def _options_json(opts):
     d["model"] = None if opts.model is None else str(opts.model)
     d["budgets"] = list(opts.budgets)
     d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]
+    d["graphs"] = list(opts.graphs)
+    d["prefill_blocking"] = [opts.prefill_blocking[0], dict(opts.prefill_blocking[1])]
+    d["decode_blocking"] = [opts.decode_blocking[0], dict(opts.decode_blocking[1])]
     return d
 
 

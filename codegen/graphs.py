@@ -15,7 +15,6 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable
-from functools import lru_cache, partial
 
 import flax.linen as nn
 import jax
@@ -24,31 +23,36 @@ import numpy as np
 from jax2onnx import onnx_function
 from jax2onnx.plugins.plugin_system import PLUGIN_REGISTRY
 
-from ref import attention, cache
 from ref.blocking import BlockingConfig
 from ref.cache import fold as fold_cache
-from ref.cache import scatter_positions, unfold
-from ref.gemma4 import text as T
+from ref.cache import unfold
 from ref.gemma4 import vision as V
+from ref.gemma4.attention_stack import AttentionLayer, AttentionLayers
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack
-from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.gemma4.params import (
+    TEXT,
+    attention_param_shapes,
+    nested,
+    vision_param_shapes,
+)
+from ref.gemma4.text_config import SLIDING, TextConfig
 from ref.gemma4.tower import tower_apply
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
-# The repeated layers being exported: {slot: (module, n_inputs, treedef)}, filled by the
-# interceptor and read by the slot's layer function, which jax2onnx may trace again after the
-# call returns; so it lives for the whole export (`layer_scope`). One slot per distinct layer
-# (the vision layer; each text attention layer type), each its own ONNX function, because the
-# retrace sees only the slot's last module. "inside" stops re-interception.
+# The repeated layers being exported: {function name: _Slot}, filled by the interceptor and read
+# by the slot's layer function, which jax2onnx traces again after the call returns; so it
+# lives for the whole export (`layer_scope`). One slot per distinct layer kind (the vision
+# layer; each kind of text layer), each its own ONNX function, because the retrace sees only
+# the slot's last module. "inside" stops re-interception.
 _LAYER = contextvars.ContextVar("codegen_layer", default=None)
 _INSIDE = contextvars.ContextVar("codegen_inside_layer", default=False)
 
 
 @contextlib.contextmanager
 def layer_scope():
-    """Hold the repeated layer's static description while a graph is traced and lowered."""
+    """Hold the repeated layers' static descriptions while a graph is traced and lowered."""
     token = _LAYER.set({})
     try:
         yield
@@ -79,8 +83,9 @@ class GraphSpec:
 
     fn(*inputs, *weights) → tuple of outputs (traced by jax2onnx with abstract weights);
     reference(inputs, weights) → dict of outputs (dicts keyed by name, numpy arrays);
-    sample(symbols, rng) → dict of random inputs for one specialization. static: traced at
-    its one specialization's sizes, its I/O then labelled with the symbols.
+    sample(symbols, rng) → dict of random inputs for one specialization. static: the symbols
+    bound at trace time to the first specialization's values (block bounds are compile-time),
+    the graph's I/O then labelled with them; the other symbols stay symbolic in the trace.
     """
 
     name: str
@@ -94,96 +99,119 @@ class GraphSpec:
     sample: Callable
     specializations: tuple
     retained: tuple = ()
-    static: bool = False
+    static: tuple = ()
 
 
-def nest(names, leaves, prefix=""):
-    """Nested params dict from dotted checkpoint names (`prefix` stripped)."""
-    tree = {}
-    for name, leaf in zip(names, leaves, strict=True):
-        *path, last = name[len(prefix) :].split(".")
-        node = tree
-        for key in path:
-            node = node.setdefault(key, {})
-        node[last] = leaf
-    return tree
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One routed layer call: the module, where its array arguments go among the static ones,
+    its parameters' tree, and (once known) its outputs: their tree and, per output leaf,
+    ("in", j) for a passthrough of array input j or ("out", k) for the function's k-th
+    distinct result (an ONNX function output must be a distinct value made inside it)."""
+
+    module: nn.Module
+    args_tree: object
+    static: tuple  # per argument leaf: None for an array (a function input), else the value
+    params_tree: object
+    out_tree: object = None
+    out_map: tuple = ()
+
+    def apply(self, arrays):
+        """The module on its array arguments, then its parameters' leaves."""
+        it = iter(arrays)
+        leaves = [next(it) if s is None else s for s in self.static]
+        args, kwargs = jax.tree_util.tree_unflatten(self.args_tree, leaves)
+        params = jax.tree_util.tree_unflatten(self.params_tree, list(it))
+        token = _INSIDE.set(True)
+        try:
+            return self.module.apply({"params": params}, *args, **kwargs)
+        finally:
+            _INSIDE.reset(token)
+
+    def results(self, arrays):
+        """(the distinct results made inside the layer, their out_map, the outputs' tree)."""
+        out = self.apply(arrays)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        inputs = {id(a): j for j, a in enumerate(arrays)}
+        made, out_map = {}, []
+        for leaf in leaves:
+            if id(leaf) in inputs:
+                out_map.append(("in", inputs[id(leaf)]))
+            else:
+                out_map.append(("out", made.setdefault(id(leaf), len(made))))
+        distinct = list({id(x): x for x in leaves if id(x) not in inputs}.values())
+        return tuple(distinct), tuple(out_map), tree
 
 
-def flatten(tree, prefix=""):
-    """Inverse of `nest`: {dotted name: leaf}, names sorted."""
-    flat = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        flat[prefix + ".".join(str(k.key) for k in path)] = leaf
-    return dict(sorted(flat.items()))
+def _layer_body(name, *arrays):
+    """A routed layer's distinct results (module from the slot `name` of `_LAYER`)."""
+    return _LAYER.get()[name].results(arrays)[0]
 
 
-def _apply_layer(slot, x, *args):
-    """The repeated layer on `x`, its other inputs, then its weights (module from `_LAYER`)."""
-    module, n_inputs, treedef = _LAYER.get()[slot]
-    params = jax.tree_util.tree_unflatten(treedef, args[n_inputs:])
-    token = _INSIDE.set(True)
-    try:
-        return module.apply({"params": params}, x, *args[:n_inputs])
-    finally:
-        _INSIDE.reset(token)
+def layer_function(name):
+    """The module-level ONNX function (jax2onnx `@onnx_function`: flat array arguments and
+    results) for layer kind `name`, registered on first use; look it up again by
+    `globals()[...]` at call time, since jax2onnx patches the module attribute while tracing."""
+    attr = f"layer_fn_{name}"
+    if attr not in globals():
+
+        def fn(*arrays):
+            return _layer_body(name, *arrays)
+
+        fn.__name__ = fn.__qualname__ = attr
+        fn.__module__ = __name__
+        globals()[attr] = fn
+        onnx_function(fn, unique=True, name=name)
+        # As jax2onnx's own multi-output example does (plugins/examples/eqx/gpt_oss.py).
+        PLUGIN_REGISTRY[f"onnx_fn::{__name__}.{attr}"].primitive.multiple_results = True
+    return attr
 
 
-def layer_function(x, *args):
-    """One repeated layer as an ONNX function (module-level, flat array arguments: what
-    jax2onnx's `@onnx_function` needs). Calls through this name are patched while tracing."""
-    return _apply_layer("layer", x, *args)
+def _is_array(leaf):
+    return isinstance(leaf, (jax.Array, np.ndarray))
 
 
-def sliding_attention_function(x, *args):
-    """A sliding-window text attention layer as an ONNX function returning a tuple (a
-    jax2onnx function primitive is either single- or multiple-result)."""
-    return tuple(_apply_layer(SLIDING, x, *args))
-
-
-def full_attention_function(x, *args):
-    """A full-attention text layer as an ONNX function returning a tuple."""
-    return tuple(_apply_layer(FULL, x, *args))
-
-
-onnx_function(layer_function, unique=True, name="Layer")
-onnx_function(sliding_attention_function, unique=True, name="SlidingAttentionLayer")
-onnx_function(full_attention_function, unique=True, name="FullAttentionLayer")
-# As jax2onnx's own multi-output example does (plugins/examples/eqx/gpt_oss.py).
-for _fn in (sliding_attention_function, full_attention_function):
-    PLUGIN_REGISTRY[f"onnx_fn::{__name__}.{_fn.__name__}"].primitive.multiple_results = True
-# By name: jax2onnx patches the module attribute while tracing, so the call must look it up.
-_FUNCTIONS = {
-    "layer": "layer_function",
-    SLIDING: "sliding_attention_function",
-    FULL: "full_attention_function",
-}
-
-
-def _layer_type(module):
-    """The slot of a text attention layer: its layer type."""
-    return module.config.layer_types[module.layer]
-
-
-def _route_layers(layer_type, use_functions, slot=lambda module: "layer"):
-    """An interceptor sending each `layer_type.__call__` through its slot's layer function
-    (`slot(module)` names it: "layer", or a text layer type)."""
+def route_layers(layer_type, use_functions, kind):
+    """An interceptor sending each `layer_type.__call__` through the ONNX function of its kind
+    (`kind(module)` names it; `layer_function(name)` must have registered it before tracing),
+    or, without functions, applying it as the function would. Array arguments become function
+    inputs; every other argument (ints, kernels, write policies) is static to the kind."""
 
     def interceptor(next_fun, args, kwargs, context):
         mine = isinstance(context.module, layer_type) and context.method_name == "__call__"
         if not mine or _INSIDE.get():
             return next_fun(*args, **kwargs)
-        if kwargs:
-            raise GraphError(f"{layer_type.__name__} called with keywords {sorted(kwargs)}")
-        module = context.module
-        leaves, treedef = jax.tree_util.tree_flatten(module.variables["params"])
         state = _LAYER.get()
         if state is None:
             raise GraphError("layers are routed only inside codegen.graphs.layer_scope()")
-        key = slot(module)
-        state[key] = (module.clone(parent=None, name=None), len(args) - 1, treedef)
-        if use_functions:
-            return globals()[_FUNCTIONS[key]](*args, *leaves)
-        return _apply_layer(key, *args, *leaves)
+        module, name = context.module, kind(context.module)
+        leaves, args_tree = jax.tree_util.tree_flatten((args, kwargs))
+        static = tuple(None if _is_array(x) else x for x in leaves)
+        arrays = [x for x in leaves if _is_array(x)]
+        p_leaves, p_tree = jax.tree_util.tree_flatten(module.variables["params"])
+        slot = _Slot(module.clone(parent=None, name=None), args_tree, static, p_tree)
+        old = state.get(name)
+        if old is not None:
+            if (old.args_tree, old.static, old.params_tree) != (args_tree, static, p_tree):
+                raise GraphError(f"layers of kind {name!r} differ in structure or static inputs")
+            slot = dataclasses.replace(slot, out_tree=old.out_tree, out_map=old.out_map)
+        state[name] = slot
+        inputs = [*arrays, *p_leaves]
+        if not use_functions:
+            return slot.apply(inputs)
+        if slot.out_tree is None:
+            found = {}
+
+            def probe(*a):
+                distinct, found["map"], found["tree"] = slot.results(a)
+                return distinct
+
+            jax.eval_shape(probe, *inputs)
+            slot = dataclasses.replace(slot, out_tree=found["tree"], out_map=found["map"])
+            state[name] = slot
+        made = globals()[layer_function(name)](*inputs)
+        leaves = [inputs[k] if src == "in" else made[k] for src, k in slot.out_map]
+        return jax.tree_util.tree_unflatten(slot.out_tree, leaves)
 
     return interceptor
 
@@ -200,22 +228,6 @@ def vision_prefix(tensor_names):
     return None
 
 
-def vision_param_shapes(cfg):
-    """{dotted name: shape} of the packed tower's parameters (no prefix)."""
-    k2 = cfg.pooling_kernel_size**2
-    args = (
-        jnp.zeros((k2, cfg.patch_dim), jnp.float32),
-        jnp.zeros((k2, 2), jnp.int32),
-        jnp.zeros((k2,), jnp.int32),
-        jnp.zeros((1, k2), jnp.int32),
-    )
-    shapes = jax.eval_shape(lambda: V.VisionModel(cfg).init(jax.random.PRNGKey(0), *args))
-    return {n: tuple(s.shape) for n, s in flatten(shapes["params"]).items()}
-
-
-EMBED_VISION = "model.embed_vision.embedding_projection.weight"
-
-
 def embed_vision_name(prefix):
     """The embed_vision projection's name beside a tower under `prefix`."""
     return prefix.replace("vision_tower.", "embed_vision.") + "embedding_projection.weight"
@@ -227,15 +239,19 @@ def _subtree(params, prefix):
     return params
 
 
+def _VISION_LAYER(module):
+    return "Layer"
+
+
 def _vision_forward(cfg, prefix, names, use_functions, embed):
     """fn(patches, positions, segment_ids, pool_index, *weights) → (embeddings,)."""
 
     def fn(patches, positions, segment_ids, pool_index, *weights):
-        params = nest(names, weights)
+        params = nested(names, weights)
         embed_params = None
         if embed:
             embed_params = _subtree(params, embed_vision_name(prefix).rsplit(".", 2)[0])
-        with nn.intercept_methods(_route_layers(V.EncoderLayer, use_functions)):
+        with nn.intercept_methods(route_layers(V.EncoderLayer, use_functions, _VISION_LAYER)):
             out = tower_apply(
                 _subtree(params, prefix),
                 embed_params,
@@ -295,7 +311,7 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
     embed = prefix != "" and cfg.text_hidden_size is not None
     if embed:
         expected[embed_vision_name(prefix)] = (cfg.text_hidden_size, cfg.hidden_size)
-    _require(tensor_shapes, expected)
+    require(tensor_shapes, expected)
     names = tuple(sorted(expected))
     k2 = cfg.pooling_kernel_size**2
     width = cfg.text_hidden_size if embed else cfg.hidden_size
@@ -332,7 +348,8 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
     )
 
 
-def _require(tensor_shapes, expected):
+def require(tensor_shapes, expected):
+    """Raise GraphError unless every expected tensor is in the checkpoint with its shape."""
     for name, shape in sorted(expected.items()):
         found = tensor_shapes.get(name)
         if found is None:
@@ -382,78 +399,7 @@ def blocking_config(mode, options):
     return BlockingConfig(mode=base, **options)
 
 
-class AttentionLayer(nn.Module):
-    """`layers.{i}`: Gemma 4's text attention over this layer's own KV cache, plus the residual.
-
-    The attention is `ref.gemma4.text.Attention` itself (as `self_attn`: q/k/v projections,
-    q/k/v norms, the layer type's RoPE, scale 1, attention_k_eq_v); this module only chooses
-    its cache write (`ref.cache.update`, slot = position), its mask arguments
-    (`ref.gemma4.text.layer_mask_args`) and its kernel (`ref.attention.blocked` in one mode,
-    or the dense `reference` when `blocking` is None).
-    """
-
-    config: TextConfig
-    layer: int
-    blocking: BlockingConfig | None
-
-    @nn.compact
-    def __call__(self, h, position_ids, past_key, past_value, *group_ids):
-        """h: [B, S, D]; position_ids: [B, S] (−1 = padding); past_*: [B, Hkv, T, hd] (or
-        [1, B·Hkv, T, hd] with batch_fold); group_ids: ([B, S] vision-run ids, −1 = text) iff
-        the config's vision runs are bidirectional → (h [B, S, D], key, value like past_*)."""
-        c, b = self.config, h.shape[0]
-        fold = self.blocking is not None and self.blocking.batch_fold
-        if fold:
-            past_key, past_value = unfold(past_key, b), unfold(past_value, b)
-        kv_pos = cache.causal_positions(position_ids, past_key.shape[2])
-        groups = group_ids[0] if group_ids else None
-        # Only this call's run ids matter: every cached key of an earlier call sits at a
-        # smaller position than all of this call's queries, so it is visible causally anyway.
-        kv_group = None
-        if groups is not None:
-            kv_group = scatter_positions(jnp.full_like(kv_pos, -1), groups, position_ids)
-        seen = {"kv_pos": kv_pos, "kv_group": kv_group}
-        mask_args = T.layer_mask_args(c, position_ids, groups, seen, seen)
-        kernel = attention.reference
-        if self.blocking is not None:
-            kernel = partial(attention.blocked, config=self.blocking)
-
-        def write(kv, k, v):
-            stored = cache.update(*kv, k, v, position_ids)
-            return stored, tuple(fold_cache(x) for x in stored) if fold else stored
-
-        out, (key, value), _ = T.Attention(c, self.layer, name="self_attn")(
-            h,
-            position_ids,
-            (past_key, past_value),
-            mask_args[c.layer_types[self.layer]],
-            kernel,
-            write,
-        )
-        if fold:
-            key, value = fold_cache(key), fold_cache(value)
-        return h + out, key, value
-
-
-class AttentionLayers(nn.Module):
-    """`model.language_model.layers`: the first n layers, each with its own retained KV cache."""
-
-    config: TextConfig
-    n: int
-    blocking: BlockingConfig | None
-
-    @nn.compact
-    def __call__(self, h, position_ids, caches, group_ids):
-        """caches: (key, value) per layer; group_ids: () or ([B, S],) → (h, new caches)."""
-        new = []
-        for i in range(self.n):
-            layer = AttentionLayer(self.config, i, self.blocking, name=str(i))
-            h, key, value = layer(h, position_ids, *caches[i], *group_ids)
-            new.append((key, value))
-        return h, tuple(new)
-
-
-TEXT_LAYERS = "model.language_model.layers."
+TEXT_LAYERS = TEXT + "layers."
 
 
 def text_config(checkpoint_config):
@@ -468,18 +414,6 @@ def text_config(checkpoint_config):
 
 def _cache_shape(cfg, i):
     return (cfg.kv_heads[i], cfg.head_dims[i])
-
-
-@lru_cache(maxsize=256)
-def attention_param_shapes(cfg, i):
-    """{checkpoint name: shape} of text layer i's attention parameters."""
-    kv = jnp.zeros((1, cfg.kv_heads[i], 1, cfg.head_dims[i]), jnp.float32)
-    pos = jnp.zeros((1, 1), jnp.int32)
-    groups = (pos,) if cfg.bidirectional_vision else ()
-    h = jnp.zeros((1, 1, cfg.hidden_size), jnp.float32)
-    layer = AttentionLayer(cfg, i, None)
-    shapes = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), h, pos, kv, kv, *groups))
-    return {n: tuple(s.shape) for n, s in flatten(shapes["params"], f"{TEXT_LAYERS}{i}.").items()}
 
 
 def attention_layers_available(checkpoint_config, tensor_shapes):
@@ -515,6 +449,12 @@ def _group_ids(positions, rng):
             hi = int(rng.integers(lo + 1, valid + 1))
             groups[r, lo:hi] = positions[r, lo]
     return groups
+
+
+def _attention_kind(module):
+    """The ONNX function of a text attention layer: one per layer type."""
+    kind = module.config.layer_types[module.layer]
+    return "SlidingAttentionLayer" if kind == SLIDING else "FullAttentionLayer"
 
 
 def attention_graph(
@@ -555,7 +495,7 @@ def attention_graph(
     except ValueError as e:
         raise GraphError(f"blocking {mode!r} {options}: {e}") from e
     expected = {n: s for i in range(layers) for n, s in attention_param_shapes(cfg, i).items()}
-    _require(tensor_shapes, expected)
+    require(tensor_shapes, expected)
     names = tuple(sorted(expected))
     fold = blocking is not None and blocking.batch_fold
     symbols = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
@@ -582,6 +522,9 @@ def attention_graph(
     outputs = (Tensor("hidden_states_out", act[0].shape, "float32"),) + tuple(
         Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in
     )
+    if use_functions:
+        for kind in {_attention_kind(AttentionLayer(cfg, i, None)) for i in range(layers)}:
+            layer_function(kind)
     stack = AttentionLayers(cfg, layers, blocking)
     dense = AttentionLayers(cfg, layers, None)
     n_act = len(act)
@@ -589,10 +532,10 @@ def attention_graph(
     def forward(module, routed):
         def fn(*args):
             (hidden_states, position_ids, *groups), caches = args[:n_act], args[n_act:]
-            params = nest(names, caches[2 * layers :], TEXT_LAYERS)
+            params = nested(names, caches[2 * layers :], TEXT_LAYERS)
             caches = caches[: 2 * layers]
             pairs = tuple(zip(caches[0::2], caches[1::2], strict=True))
-            with nn.intercept_methods(_route_layers(AttentionLayer, routed, slot=_layer_type)):
+            with nn.intercept_methods(route_layers(AttentionLayer, routed, _attention_kind)):
                 h, new = module.apply(
                     {"params": params}, hidden_states, position_ids, pairs, tuple(groups)
                 )
@@ -647,5 +590,5 @@ def attention_graph(
         sample=sample,
         specializations=({"name": "Prefill" if seq_len > 1 else "Decode", "symbols": symbols},),
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
-        static=True,
+        static=tuple(symbols),
     )

@@ -68,6 +68,11 @@ ALLOWED_OPS = frozenset(
         # shapes make it a compile-time constant
         "ReduceProd",
         "Softmax",
+        # each row's last valid position (QEfficient's causal-LM graphs gather their logits
+        # at `position_ids.argmax(1)` too) and the MoE router's top-k experts (QEfficient's
+        # MoE exports use TopK)
+        "ArgMax",
+        "TopK",
         # indexing and the KV cache
         "Gather",
         "GatherElements",

@@ -17,9 +17,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.tree_util import Partial
 
 from ref.attention import reference
-from ref.cache import rolling_slots, scatter, scatter_positions, update, window_keys
+from ref.cache import (
+    causal_positions,
+    rolling_slots,
+    scatter,
+    scatter_positions,
+    update,
+    window_keys,
+)
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.gemma4.vision import RMSNorm, Weight
 from ref.layers import gated_mlp, gelu_tanh, linear, rms_norm
@@ -48,22 +57,27 @@ def apply_rope(x, positions, inv_freq):
     return rotate_half_split(x, angles)
 
 
-def vision_runs(is_vision, positions, cache_group):
+def vision_runs(is_vision, positions, cache_group=None):
     """Vision-run ids of a chunk's tokens (−1 for text), unique within a row.
 
     is_vision: [B, S] bool (invalid columns False); positions: [B, S] (−1 = padding, valid
     columns contiguous and increasing); cache_group: [B, T], the ids of the tokens already
-    cached → [B, S] int32. A run that started in an earlier chunk keeps its id; the n-th run
-    that starts in this chunk gets `first position + n`, which no other chunk can use (a chunk
-    of S tokens starts at most S runs). Id equality thus matches transformers'
+    cached, or None (no run continues from an earlier step) → [B, S] int32. A run that
+    started in an earlier chunk keeps its id; the n-th run that starts in this chunk gets
+    `first position + n`, which no other chunk can use (a chunk of S tokens starts at most S
+    runs). Id equality thus matches transformers'
     `get_block_sequence_ids_for_mask` over the whole prompt however it is chunked.
     """
     valid = positions >= 0
     first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
-    prev_slot = jnp.clip(first - 1, 0, cache_group.shape[1] - 1)
-    prev_group = jnp.take_along_axis(cache_group, prev_slot[:, None], axis=1)[:, 0]
-    carried = jnp.where(first >= 1, prev_group, -1)[:, None]  # [B, 1]
-    prev_vision = jnp.pad(is_vision, ((0, 0), (1, 0)))[:, :-1]
+    if cache_group is None:
+        carried = jnp.full_like(first[:, None], -1)
+    else:
+        prev_slot = jnp.clip(first - 1, 0, cache_group.shape[1] - 1)
+        prev_group = jnp.take_along_axis(cache_group, prev_slot[:, None], axis=1)[:, 0]
+        carried = jnp.where(first >= 1, prev_group, -1)[:, None]  # [B, 1]
+    # concatenate, not jnp.pad: ONNX Pad is not among the ops QEfficient's exports use
+    prev_vision = jnp.concatenate([jnp.zeros_like(is_vision[:, :1]), is_vision[:, :-1]], axis=1)
     continues = valid & (positions == first[:, None]) & (carried >= 0)
     new_run = is_vision & ~prev_vision & ~continues
     # CumSum, not cummax: jax2onnx lowers cummax to an int MaxPool onnxruntime rejects
@@ -98,7 +112,9 @@ def route(x, proj, scale, per_expert_scale, top_k, eps):
     weights, index = jax.lax.top_k(probs, top_k)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights * per_expert_scale.astype(jnp.float32)[index]
-    onehot = jax.nn.one_hot(index, proj.shape[0], dtype=jnp.float32)  # [N, K, E]
+    # a comparison, not jax.nn.one_hot: that exports as ONNX OneHot, outside QAIC's op set
+    experts = lax.broadcasted_iota(index.dtype, (1, 1, proj.shape[0]), 2)
+    onehot = (index[:, :, None] == experts).astype(jnp.float32)  # [N, K, E]
     return jnp.sum(onehot * weights[:, :, None], axis=1)
 
 
@@ -264,14 +280,17 @@ class DecoderLayer(nn.Module):
         return x * scalar.astype(x.dtype), stored, kv
 
 
-def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False):
+def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_only=False):
     """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
 
     ring: sliding-window layers keep only a ring of W = min(sliding_window, ctx_len) slots
-    (position p in slot p mod W), as a deployment would.
-    → {"pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 = text),
-    "k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and with ring
-    "ring_pos", "ring_group": [B, W]}.
+    (position p in slot p mod W), as a deployment would. slots_only: keys and values only, as
+    QAIC's retained state holds them; which position a slot holds is derived from each step's
+    position_ids instead of recorded (see `linear_memory`), and no vision run continues from one
+    step into the next (a prefill chunk must not split an image run).
+    → {"k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and unless
+    slots_only "pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 =
+    text), with ring also "ring_pos", "ring_group": [B, W]}.
     """
     c = config
     window = min(c.sliding_window, ctx_len)
@@ -282,55 +301,101 @@ def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False):
 
     owners = [i for i in range(c.num_hidden_layers) if not c.shares_kv(i)]
     cache = {
-        "pos": jnp.full((batch, ctx_len), -1, jnp.int32),
-        "group": jnp.full((batch, ctx_len), -1, jnp.int32),
         "k": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
         "v": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
     }
+    if slots_only:
+        return cache
+    cache["pos"] = jnp.full((batch, ctx_len), -1, jnp.int32)
+    cache["group"] = jnp.full((batch, ctx_len), -1, jnp.int32)
     if ring:
         cache["ring_pos"] = jnp.full((batch, window), -1, jnp.int32)
         cache["ring_group"] = jnp.full((batch, window), -1, jnp.int32)
     return cache
 
 
+def cache_len(cache):
+    """ctx_len of a cache: the longest layer cache (a ring holds fewer slots)."""
+    return max(k.shape[2] for k in cache["k"].values())
+
+
+def uses_ring(config, cache):
+    """True when the cache keeps sliding layers in a ring (fewer slots than ctx_len)."""
+    if "ring_pos" in cache:
+        return True
+    t = cache_len(cache)
+    return any(
+        config.layer_types[int(i)] == SLIDING and k.shape[2] < t for i, k in cache["k"].items()
+    )
+
+
+def _last_before(positions):
+    """[B, 1]: the position before each row's first valid one (−1 for a row with none)."""
+    valid = positions >= 0
+    first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+    return jnp.where(jnp.any(valid, axis=1, keepdims=True), first - 1, -1)
+
+
+def _linear_write(positions, kv, k, v):
+    stored = update(*kv, k, v, positions)
+    return stored, stored
+
+
 def linear_memory(cache, positions, groups):
     """Slot = position: (cache with the step's positions and run ids recorded, the keys'
     {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
 
-    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd].
+    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. A
+    slots-only cache derives the keys' positions (slot t holds position t up to the row's
+    largest position) and knows only this step's run ids: every earlier key sits before all of
+    this step's queries, so it is visible causally whatever its run.
     """
-    pos = scatter_positions(cache["pos"], positions, positions)
-    group = scatter_positions(cache["group"], groups, positions)
+    if "pos" in cache:
+        pos = scatter_positions(cache["pos"], positions, positions)
+        group = scatter_positions(cache["group"], groups, positions)
+        cache = dict(cache, pos=pos, group=group)
+    else:
+        pos = causal_positions(positions, cache_len(cache))
+        group = scatter_positions(jnp.full_like(pos, -1), groups, positions)
+    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions)
 
-    def write(kv, k, v):
-        stored = update(*kv, k, v, positions)
-        return stored, stored
 
-    return dict(cache, pos=pos, group=group), {"kv_pos": pos, "kv_group": group}, write
+def _ring_write(ring_pos, positions, slots, kv, k, v):
+    k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
+    return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
 
 
-def ring_memory(cache, positions, groups):
+def ring_positions(positions, window):
+    """The positions a slots-only ring holds before a step at positions [B, S]: slot s holds the
+    latest position ≤ the row's last one written that is ≡ s (mod W) → [B, W] (−1 = empty)."""
+    last = _last_before(positions)
+    slots = lax.broadcasted_iota(jnp.int32, (1, window), 1)
+    held = last - jnp.mod(last - slots, window)
+    return jnp.where(held >= 0, held, -1).astype(jnp.int32)
+
+
+def ring_memory(cache, positions, groups, window):
     """Sliding layers in a ring of W slots: like `linear_memory`, but a step attends to the
     ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos", "kv_group"}
     [B, W + S]) and then the ring keeps each row's last W positions.
     """
-    ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
-    slots = rolling_slots(positions, ring_pos.shape[1])
-
-    def write(kv, k, v):
-        k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
-        return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
-
+    if "ring_pos" in cache:
+        ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
+    else:
+        ring_pos = ring_positions(positions, window)
+        ring_group = jnp.full_like(ring_pos, -1)
+    slots = rolling_slots(positions, window)
     seen = {
         "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
         "kv_group": jnp.concatenate([ring_group, groups.astype(ring_group.dtype)], axis=1),
     }
-    cache = dict(
-        cache,
-        ring_pos=scatter_positions(ring_pos, positions, slots),
-        ring_group=scatter_positions(ring_group, groups, slots),
-    )
-    return cache, seen, write
+    if "ring_pos" in cache:
+        cache = dict(
+            cache,
+            ring_pos=scatter_positions(ring_pos, positions, slots),
+            ring_group=scatter_positions(ring_group, groups, slots),
+        )
+    return cache, seen, Partial(_ring_write, ring_pos, positions, slots)
 
 
 class Layers(nn.Module):
@@ -397,11 +462,12 @@ class TextModel(nn.Module):
             x, image_idx_out = merge_vision(x, is_image, vision_embeds, image_idx)
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
-        groups = vision_runs(is_image, positions, cache["group"])
+        groups = vision_runs(is_image, positions, cache.get("group"))
         cache, full, full_write = linear_memory(cache, positions, groups)
         sliding, sliding_write = full, full_write
-        if "ring_pos" in cache:
-            cache, sliding, sliding_write = ring_memory(cache, positions, groups)
+        if uses_ring(c, cache):
+            window = min(c.sliding_window, cache_len(cache))
+            cache, sliding, sliding_write = ring_memory(cache, positions, groups, window)
         mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
 
@@ -436,9 +502,10 @@ def check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
             "expected both [batch, seq_len]"
         )
     b = input_ids.shape[0]
-    ctx_len = cache["pos"].shape[1]
-    if cache["pos"].shape[0] != b:
-        raise ValueError(f"cache batch {cache['pos'].shape[0]} != input batch {b}")
+    ctx_len = cache_len(cache)
+    cache_batch = {k.shape[0] for k in cache["k"].values()}
+    if cache_batch != {b}:
+        raise ValueError(f"cache batch {sorted(cache_batch)} != input batch {b}")
     if vision_embeds is None:
         if image_idx is not None:
             raise ValueError("image_idx given without vision_embeds")
@@ -449,7 +516,9 @@ def check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
             f"vision_embeds {vision_embeds.shape}: expected [batch={b}, vision_size, "
             f"text_hidden={config.hidden_size}] (one row of soft tokens per batch row)"
         )
-    if not 0 < vision_embeds.shape[1] < ctx_len:
+    # an exporter may trace vision_size as a symbol: one graph, a specialization per budget
+    size = vision_embeds.shape[1]
+    if isinstance(size, int) and not 0 < size < ctx_len:
         raise ValueError(
             f"vision_size={vision_embeds.shape[1]}: expected 0 < vision_size < ctx_len={ctx_len}"
         )
@@ -458,8 +527,7 @@ def check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
         raise ValueError(f"image_idx {shape}: expected [batch={b}, 1] with vision_embeds")
 
 
-@partial(jax.jit, static_argnames=("config", "attention", "last_only", "return_hidden"))
-def step(
+def apply_step(
     params,
     lm_head,
     cache,
@@ -503,3 +571,7 @@ def step(
     if return_hidden:
         out["hidden_states"] = states
     return out
+
+
+# the compiled step; exporters trace `apply_step` (a jit would cache a trace made without them)
+step = jax.jit(apply_step, static_argnames=("config", "attention", "last_only", "return_hidden"))

@@ -1,0 +1,318 @@
+"""The Gemma 4 language model as QAIC graphs: `prefill` and `decode`, each one call of
+`ref.gemma4.text.apply_step` with the KV cache as retained state.
+
+I/O follows QEfficient's Gemma 4 language graph (`QEffGemma4DecoderWrapper`): `input_ids`,
+`position_ids` (−1 = padding), `vision_embeds`, `image_idx` (prefill only),
+`past_key.{i}` / `past_value.{i}` for every layer that owns a cache → `logits` (each row's
+last valid position, soft-capped), `image_idx_output` (prefill), `past_*.{i}_RetainedState`.
+The model code is `ref`'s; this module only flattens its inputs and outputs, picks the kernel
+of each phase and routes each decoder layer through the ONNX function of its kind.
+"""
+
+from functools import partial
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from codegen.graphs import (
+    DEFAULT_BLOCKING,
+    GraphError,
+    GraphSpec,
+    Tensor,
+    blocking_config,
+    layer_function,
+    require,
+    route_layers,
+)
+from ref.attention import blocked, reference
+from ref.blocking import MODES
+from ref.gemma4 import text as T
+from ref.gemma4.params import nested, text_param_shapes
+from ref.gemma4.text_config import SLIDING, TextConfig
+
+LM_HEAD = "lm_head.weight"
+TEXT_PREFIXES = ("model.language_model.", "model.")
+
+
+def model_config(checkpoint_config):
+    """The TextConfig of a Gemma 4 checkpoint (full VLM or text-only), None without one."""
+    text = checkpoint_config.get("text_config", checkpoint_config)
+    if not isinstance(text, dict) or "hidden_size" not in text or "vocab_size" not in text:
+        return None
+    try:
+        return TextConfig.from_hf(checkpoint_config)
+    except ValueError as e:
+        raise GraphError(f"text_config: {e}") from e
+
+
+def text_prefix(tensor_names):
+    """Where the decoder's names start ("model.language_model." in a Gemma 4 VLM, "model."
+    in a text-only Gemma4ForCausalLM save), None without a decoder."""
+    for prefix in TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in tensor_names:
+            return prefix
+    return None
+
+
+def phase_blocking(mode, options, *, prefill, batch, queries, kv_len):
+    """A phase's `BlockingConfig` (None = dense): `mode` as the CLI names it (a prefill phase
+    reads `q`, `kv`, `qkv`, `online` as their `prefill_` modes, as `Gemma4.generate` does);
+    options left out take the mode's defaults, clipped to the phase's sizes."""
+    if mode in (None, "none"):
+        if options:
+            raise GraphError(f"dense attention takes no options, got {options}")
+        return None
+    if prefill and f"prefill_{mode}" in MODES:
+        mode = f"prefill_{mode}"
+    if mode not in DEFAULT_BLOCKING:
+        raise GraphError(
+            f"blocking mode {mode!r}: expected none or one of {sorted(DEFAULT_BLOCKING)}"
+        )
+    limits = {
+        "num_q_blocks": queries,
+        "prefill_block_chunks": queries,
+        "num_kv_blocks": kv_len,
+        "num_batch_blocks": batch,
+    }
+    defaults = {k: min(v, limits.get(k, v)) for k, v in DEFAULT_BLOCKING[mode].items()}
+    merged = {**defaults, **options}
+    if merged.get("batch_fold"):
+        raise GraphError(
+            "batch_fold is an attention-graph layout (--graphs attention), not a model one"
+        )
+    try:
+        return blocking_config(mode, merged)
+    except ValueError as e:
+        raise GraphError(f"blocking {mode!r} {merged}: {e}") from e
+
+
+def decoder_kinds(cfg):
+    """The ONNX function name of each decoder layer: one per distinct layer structure
+    (sliding/full × owns its cache or shares one × dense/MoE, then head layout)."""
+    names, seen = [], {}
+    for i in range(cfg.num_hidden_layers):
+        base = "Sliding" if cfg.layer_types[i] == SLIDING else "Full"
+        base += "Shared" if cfg.shares_kv(i) else ""
+        base += "MoE" if cfg.enable_moe_block else ""
+        shape = (cfg.head_dims[i], cfg.kv_heads[i])
+        layouts = seen.setdefault(base, [])
+        if shape not in layouts:
+            layouts.append(shape)
+        n = layouts.index(shape)
+        names.append(f"{base}DecoderLayer" + (f"_{n + 1}" if n else ""))
+    return tuple(names)
+
+
+def cache_owners(cfg):
+    """The layers that own a KV cache (KV-sharing consumers read their producer's)."""
+    return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
+
+
+def _cache_tensors(cfg, ring, ctx_len):
+    window = min(cfg.sliding_window, ctx_len)
+    out = []
+    for i in cache_owners(cfg):
+        slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"
+        shape = ("batch_size", cfg.kv_heads[i], slots, cfg.head_dims[i])
+        out += [Tensor(f"past_{kind}.{i}", shape, "float32") for kind in ("key", "value")]
+    return tuple(out)
+
+
+def model_weights(cfg, tensor_shapes):
+    """(checkpoint prefix, weight names in call order: the decoder's, then lm_head if the
+    checkpoint has its own), after checking every shape against `ref`."""
+    prefix = text_prefix(tensor_shapes)
+    if prefix is None:
+        raise GraphError(
+            "no text decoder: missing tensor 'model.language_model.embed_tokens.weight'"
+        )
+    expected = {
+        prefix + n[len("model.language_model.") :]: s for n, s in text_param_shapes(cfg).items()
+    }
+    if LM_HEAD in tensor_shapes:
+        expected[LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
+    require(tensor_shapes, expected)
+    names = sorted(n for n in expected if n != LM_HEAD)
+    return prefix, tuple(names) + ((LM_HEAD,) if LM_HEAD in expected else ())
+
+
+def _sample(cfg, vision, cache_in, symbols, rng):
+    """Random inputs: per row positions from a random start with a padded tail, text ids with
+    a run of image tokens (prefill), random soft tokens, image_idx and caches."""
+    b, s, t = symbols["batch_size"], symbols["seq_len"], symbols["ctx_len"]
+    start = rng.integers(0, t - s + 1, (b, 1))
+    pos = (start + np.arange(s)[None, :]).astype(np.int32)
+    pad = rng.integers(0, s // 2 + 1, b) if s > 1 else np.zeros(b, int)
+    pos[np.arange(s)[None, :] >= (s - pad)[:, None]] = -1
+    special = {cfg.image_token_id, cfg.pad_token_id}
+    ids = rng.integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
+    ids[np.isin(ids, list(special - {None}))] = (cfg.pad_token_id + 1) % cfg.vocab_size
+    feed = {"input_ids": ids, "position_ids": pos}
+    if vision:
+        v = symbols["vision_size"]
+        image_idx = np.zeros((b, 1), np.int32)
+        for r in range(b):
+            lo = int(rng.integers(0, s))
+            hi = int(rng.integers(lo, min(s, lo + v) + 1))
+            ids[r, lo:hi] = cfg.image_token_id
+            image_idx[r, 0] = rng.integers(0, v - (hi - lo) + 1)
+        feed["vision_embeds"] = rng.standard_normal((b, v, cfg.hidden_size), dtype=np.float32)
+        feed["image_idx"] = image_idx
+    for tensor in cache_in:
+        feed[tensor.name] = rng.standard_normal(tensor.concrete(symbols), dtype=np.float32)
+    return feed
+
+
+def model_graph(
+    checkpoint_config,
+    tensor_shapes,
+    *,
+    phase,
+    mode=None,
+    options=None,
+    batch_size=1,
+    seq_len,
+    ctx_len,
+    budgets=(),
+    sliding_ring=False,
+    use_functions=True,
+):
+    """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
+    vision budget) or `decode` graph (phase "decode": one token, no vision inputs).
+
+    Traced at (batch_size, seq_len, ctx_len): block bounds are compile-time constants;
+    `vision_size` stays symbolic. mode/options: the phase's blocking (see `phase_blocking`).
+    """
+    cfg = model_config(checkpoint_config)
+    if cfg is None:
+        raise GraphError("no text_config: a vision-only checkpoint has no language graphs")
+    if phase not in ("prefill", "decode"):
+        raise GraphError(f"phase {phase!r}: expected 'prefill' or 'decode'")
+    prefill = phase == "prefill"
+    if not prefill:
+        seq_len = 1
+    if seq_len > ctx_len:
+        raise GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
+    vision = prefill and cfg.image_token_id is not None and bool(budgets)
+    for budget in budgets if vision else ():
+        if not budget < ctx_len:
+            raise GraphError(f"vision_size {budget} must be < ctx_len {ctx_len}")
+    window = min(cfg.sliding_window, ctx_len)
+    blocking = phase_blocking(
+        mode,
+        dict(options or {}),
+        prefill=prefill,
+        batch=batch_size,
+        queries=seq_len,
+        kv_len=min(ctx_len, window + seq_len) if sliding_ring else ctx_len,
+    )
+    if blocking is not None:
+        kv_lens = {ctx_len} | ({window + seq_len} if sliding_ring else set())
+        try:
+            for kv_heads in sorted(set(cfg.kv_heads)):
+                for kv_len in sorted(kv_lens):
+                    blocking.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
+        except ValueError as e:
+            raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
+    prefix, names = model_weights(cfg, tensor_shapes)
+    kernel = reference if blocking is None else partial(blocked, config=blocking)
+    kinds = decoder_kinds(cfg)
+
+    ids = (
+        Tensor("input_ids", ("batch_size", "seq_len"), "int32"),
+        Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
+    )
+    if vision:
+        ids += (
+            Tensor("vision_embeds", ("batch_size", "vision_size", cfg.hidden_size), "float32"),
+            Tensor("image_idx", ("batch_size", 1), "int32"),
+        )
+    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len)
+    outputs = (Tensor("logits", ("batch_size", 1, cfg.vocab_size), "float32"),)
+    if vision:
+        outputs += (Tensor("image_idx_output", ("batch_size", 1), "int32"),)
+    outputs += tuple(Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in)
+    owners = cache_owners(cfg)
+    n_in, n_text = len(ids), sum(n != LM_HEAD for n in names)
+
+    def forward(attention, routed):
+        def fn(*args):
+            head, caches, weights = (
+                args[:n_in],
+                args[n_in : n_in + len(cache_in)],
+                args[n_in + len(cache_in) :],
+            )
+            params = nested(names[:n_text], weights[:n_text], prefix)
+            lm_head = weights[n_text] if len(weights) > n_text else None
+            cache = {
+                "k": {str(i): caches[2 * j] for j, i in enumerate(owners)},
+                "v": {str(i): caches[2 * j + 1] for j, i in enumerate(owners)},
+            }
+            vision_args = head[2:] if vision else (None, None)
+            kind = lambda module: kinds[module.layer]  # noqa: E731
+            with nn.intercept_methods(route_layers(T.DecoderLayer, routed, kind)):
+                out = T.apply_step(
+                    params,
+                    lm_head,
+                    cache,
+                    head[0],
+                    head[1],
+                    *vision_args,
+                    config=cfg,
+                    attention=attention,
+                    last_only=True,
+                )
+            new = out["cache"]
+            flat = [out["logits"]] + ([out["image_idx"]] if vision else [])
+            for i in owners:
+                flat += [new["k"][str(i)], new["v"][str(i)]]
+            return tuple(flat)
+
+        return fn
+
+    if use_functions:
+        for kind in set(kinds):
+            layer_function(kind)
+    plain = forward(reference, False)
+
+    def run_reference(feed, weights):
+        args = [jnp.asarray(feed[t.name]) for t in ids + cache_in]
+        out = plain(*args, *(jnp.asarray(weights[n], jnp.float32) for n in names))
+        return {t.name: np.asarray(x) for t, x in zip(outputs, out, strict=True)}
+
+    base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
+    if vision:
+        specs = tuple(
+            {"name": f"prefill_{b}", "symbols": {**base, "vision_size": b}} for b in budgets
+        )
+    else:
+        specs = ({"name": phase, "symbols": base},)
+    return GraphSpec(
+        name=phase,
+        kind=phase,
+        options={
+            "mode": mode or "none",
+            "blocking": dict(options or {}),
+            "resolved_blocking": None if blocking is None else _config_json(blocking),
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "ctx_len": ctx_len,
+            "budgets": list(budgets) if vision else [],
+            "sliding_ring": sliding_ring,
+            "layer_functions": sorted(set(kinds)),
+        },
+        inputs=ids + cache_in,
+        outputs=outputs,
+        weights=names,
+        fn=forward(kernel, use_functions),
+        reference=run_reference,
+        sample=partial(_sample, cfg, vision, cache_in),
+        specializations=specs,
+        retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
+        static=tuple(base),
+    )
+
+
+def _config_json(blocking):
+    return {k: v for k, v in vars(blocking).items() if v not in (None, False)}
