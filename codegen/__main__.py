@@ -1,4 +1,4 @@
-"""`python -m codegen export|verify`: the command line (see `--help` of each)."""
+"""`python -m codegen export|run|verify`: the command line (see `--help` of each)."""
 
 import argparse
 import sys
@@ -58,6 +58,20 @@ _PHASE_MODES = ["none", "q", "kv", "qkv", "online", *graphs.DEFAULT_BLOCKING]
 def _phase_blocking(text):
     """A model graph's MODE[:opt=value,...] (options left out: the mode's defaults)."""
     return _mode_options(text, list(dict.fromkeys(_PHASE_MODES)))
+
+
+def _ids(text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids") from None
+
+
+def _grid(text):
+    h, x, w = text.lower().partition("x")
+    if not (x and h.isdigit() and w.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HxW in patches, e.g. 6x9")
+    return int(h), int(w)
 
 
 def _graph_kinds(text):
@@ -197,6 +211,37 @@ def parser():
         action="store_false",
         help="skip the onnxruntime check at the end",
     )
+    r = sub.add_parser(
+        "run", help="greedy generation over an export's vision, prefill and decode graphs"
+    )
+    r.add_argument("out", type=Path, help="an export folder (written with --graphs model)")
+    r.add_argument(
+        "--prompt-ids",
+        type=_ids,
+        action="append",
+        required=True,
+        metavar="ID,ID,...",
+        help="one prompt row's token ids, each image already expanded to its run of image "
+        "tokens (repeatable: one row each, up to the exported batch size)",
+    )
+    r.add_argument(
+        "--patches",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="F.npy",
+        help="an image's patches [h·w, 3·p·p] in [0, 1], row-major (repeatable: one per "
+        "image run, in order of appearance, row by row)",
+    )
+    r.add_argument(
+        "--grid",
+        type=_grid,
+        action="append",
+        default=[],
+        metavar="HxW",
+        help="that image's grid in patches (repeatable, paired with --patches in order)",
+    )
+    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (16)")
     v = sub.add_parser("verify", help="onnxruntime vs ref on every graph and specialization")
     v.add_argument("out", type=Path, help="an export folder")
     v.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
@@ -225,6 +270,10 @@ def main(argv=None):
     try:
         if args.command == "verify":
             return _run_verify(args.out, args.seed)
+        if args.command == "run":
+            from codegen.runtime import main as run_main
+
+            return run_main(args)
         blocking = tuple(x for group in (args.blocking or [_blocking("all")]) for x in group)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
         opts = ExportOptions(blocking=blocking, **fields)

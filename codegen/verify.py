@@ -61,7 +61,7 @@ def rebuild(entry, checkpoint):
     raise VerifyError(f"graph {entry['name']!r} has unknown kind {entry['kind']!r}")
 
 
-def _session(entry, folder, checkpoint):
+def open_session(entry, folder, checkpoint):
     """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
     from the weight spec (written beside the folder's other files, removed after loading)."""
     path = os.path.join(folder, entry["file"])
@@ -95,7 +95,7 @@ def verify(folder, *, seed=0):
     rows = []
     for entry in manifest["graphs"]:
         spec = rebuild(entry, checkpoint)
-        session = _session(entry, folder, checkpoint)
+        session = open_session(entry, folder, checkpoint)
         weights = {n: checkpoint.read(n).astype(np.float32) for n in spec.weights}
         for s in spec.specializations:
             rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])

@@ -61,8 +61,13 @@ class VisionConfig:
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation={activation!r}: expected 'gelu_pytorch_tanh'")
         rope = vision.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"rope_type={rope.get('rope_type')!r}: expected 'axial'")
+        # the released checkpoints say "default", which transformers reads as the tower's
+        # default, "axial" (RotaryEmbeddingConfigMixin.default_rope_type)
+        if rope.get("rope_type", "axial") not in ("axial", "default"):
+            raise ValueError(
+                f"rope_type={rope.get('rope_type')!r}: expected 'axial' (or 'default', read as "
+                "axial as transformers does)"
+            )
         text = config.get("text_config") if vision is not config else None
         fields = {f: vision[f] for f in cls.__dataclass_fields__ if f in vision}
         fields.pop("text_hidden_size", None)
