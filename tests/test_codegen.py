@@ -1,7 +1,8 @@
 """`python -m codegen export|verify` end to end on the embedded default model, and the
 behaviour a user relies on: atomic output, refusal, determinism, one-line errors, artifacts.
 
-One default export (every blocking mode, budgets 70 and 140) is shared by the module.
+One export of the default model's graphs (vision, prefill, decode) and every attention graph
+(`--graphs model,attention`: every blocking mode, budgets 70 and 140) is shared by the module.
 """
 
 import dataclasses
@@ -36,7 +37,9 @@ def exported(cache, tmp_path_factory):
     old = os.environ.get("GEMMA4_QAIC_CACHE")
     os.environ["GEMMA4_QAIC_CACHE"] = str(cache.parent)
     try:
-        rc = main(["export", "--model", str(cache), "--out", str(out)])
+        rc = main(
+            ["export", "--model", str(cache), "--out", str(out), "--graphs", "model,attention"]
+        )
     finally:
         if old is None:
             del os.environ["GEMMA4_QAIC_CACHE"]
@@ -46,8 +49,14 @@ def exported(cache, tmp_path_factory):
 
 
 def small(out, model, **kw):
-    """Options of a quick export: one budget, one blocking mode, no verify."""
-    fields = dict(out=out, model=model, budgets=(70,), blocking=(("kv", {"num_kv_blocks": 2}),))
+    """Options of a quick export: one budget, one attention graph, no verify."""
+    fields = dict(
+        out=out,
+        model=model,
+        budgets=(70,),
+        graphs=("attention",),
+        blocking=(("kv", {"num_kv_blocks": 2}),),
+    )
     fields.update(kw)
     fields.setdefault("verify", False)
     return ExportOptions(**fields)
@@ -64,10 +73,17 @@ def test_default_export_writes_and_verifies_every_mode(exported):
     names = {g["name"] for g in m["graphs"]}
     from codegen.graphs import DEFAULT_BLOCKING
 
-    assert names == {"vision"} | {f"attention_{mode}" for mode in [*DEFAULT_BLOCKING, "none"]}
+    modes = [*DEFAULT_BLOCKING, "none"]
+    assert names == {"vision", "prefill", "decode"} | {f"attention_{mode}" for mode in modes}
     rows = verify(out, seed=1)  # fresh random inputs, not the export's own
     assert all(ok for *_, ok in rows), [r for r in rows if not r[-1]]
-    assert {(g, s) for g, s, *_ in rows} >= {("vision", "vision_70"), ("vision", "vision_140")}
+    assert {(g, s) for g, s, *_ in rows} >= {
+        ("vision", "vision_70"),
+        ("vision", "vision_140"),
+        ("prefill", "prefill_70"),
+        ("prefill", "prefill_140"),
+        ("decode", "decode"),
+    }
     assert max(r[4] for r in rows) < 1e-5
 
 
@@ -108,11 +124,19 @@ def test_qaic_artifacts(exported):
         "name": "vision_70",
         "symbols": {"num_patches": "630", "vision_size": "70"},
     }
-    io = (out / "attention_kv.custom_io.yaml").read_text()
-    for i in range(DEFAULT_CONFIG["text_config"]["num_hidden_layers"]):
-        for kind in ("key", "value"):
-            assert f"IOName: past_{kind}.{i}\n" in io
-            assert f"IOName: past_{kind}.{i}_RetainedState\n" in io
+    # layers 0 and 1 own their caches; 2 and 3 read theirs (KV sharing) and have none
+    for graph in ("attention_kv", "prefill", "decode"):
+        io = (out / f"{graph}.custom_io.yaml").read_text()
+        for i in (0, 1):
+            for kind in ("key", "value"):
+                assert f"IOName: past_{kind}.{i}\n" in io
+                assert f"IOName: past_{kind}.{i}_RetainedState\n" in io
+        assert "past_key.2" not in io and "past_key.3" not in io
+    prefill = json.loads((out / "prefill.specializations.json").read_text())
+    assert prefill["specializations"][1] == {
+        "name": "prefill_140",
+        "symbols": {"batch_size": "1", "seq_len": "16", "ctx_len": "256", "vision_size": "140"},
+    }
     script = (out / "compile.sh").read_text()
     lines = [line for line in script.splitlines() if line.startswith("qaic-compile")]
     assert len(lines) == len(m["graphs"])
@@ -175,7 +199,12 @@ def test_failed_export_leaves_nothing(cache, tmp_path, monkeypatch):
         (["--budgets", "140", "--ctx-len", "140"], ["vision_size 140", "ctx_len 140"]),
         (["--blocking", "diagonal"], ["diagonal"]),
         (["--blocking", "kv:num_kv_blocks=x"], ["integer"]),
-        (["--blocking", "q:num_kv_blocks=2"], ["num_kv_blocks"]),
+        (["--graphs", "attention", "--blocking", "q:num_kv_blocks=2"], ["num_kv_blocks"]),
+        (["--prefill-blocking", "diagonal"], ["diagonal"]),
+        (["--decode-blocking", "kv:num_kv_blocks=x"], ["integer"]),
+        (["--decode-blocking", "kv:num_q_blocks=2"], ["num_q_blocks"]),
+        (["--prefill-blocking", "kv_batch_fold"], ["batch_fold"]),
+        (["--graphs", "everything"], ["everything"]),
         (["--weights", "somewhere"], ["somewhere"]),
         (["--kv-dtype", "int3"], ["int3"]),
         (["--model", "{missing}"], ["not a folder"]),
@@ -224,11 +253,12 @@ def test_weights_as_inputs_with_weight_spec(cache, tmp_path):
 
 def test_no_subfunctions_inlines_the_same_math(exported, cache, tmp_path):
     out = tmp_path / "inline"
-    export(small(out, cache, sub_functions=False))
+    export(small(out, cache, sub_functions=False, graphs=("model", "attention")))
     rows = verify(out)
     assert all(ok for *_, ok in rows)
-    # one function per distinct layer: the vision layer; a sliding and a full text layer
-    for name, count in (("vision", 1), ("attention_kv", 2)):
+    # one function per distinct layer: the vision layer; a sliding and a full attention layer;
+    # sliding and full decoder layers, each owning its cache or sharing one
+    for name, count in (("vision", 1), ("attention_kv", 2), ("prefill", 4), ("decode", 4)):
         inline = onnx.load(out / f"{name}.onnx", load_external_data=False)
         fns = onnx.load(exported[1] / f"{name}.onnx", load_external_data=False)
         assert not inline.functions and len(fns.functions) == count
@@ -242,7 +272,8 @@ def test_vision_only_checkpoint_exports_vision_alone(tmp_path):
     folder = tmp_path / "vision_only"
     save_checkpoint(folder, dict(DEFAULT_CONFIG["vision_config"]), tensors)
     out = tmp_path / "out"
-    export(ExportOptions(out=out, model=folder, budgets=(70,), blocking=(("kv", {}),)))
+    # no language graph reads the soft tokens, so no ctx_len bounds the budget
+    export(ExportOptions(out=out, model=folder, budgets=(70, 280), ctx_len=256))
     m = manifest(out)
     assert [g["name"] for g in m["graphs"]] == ["vision"]
     assert m["graphs"][0]["outputs"][0]["name"] == "pooled"
@@ -384,6 +415,10 @@ def test_help_documents_every_option(capsys):
         "hash_shards": "--no-hash",
         "force": "--force",
         "verify": "--no-verify",
+        "graphs": "--graphs",
+        "prefill_blocking": "--prefill-blocking",
+        "decode_blocking": "--decode-blocking",
+        "sliding_ring": "--sliding-ring",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in flags.values():

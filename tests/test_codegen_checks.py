@@ -22,6 +22,7 @@ from codegen.defaults import DEFAULT_CONFIG, default_checkpoint
 from codegen.export import ExportOptions, export, trace
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack, pack_patches
+from ref.gemma4.params import attention_param_shapes
 from tests.hf_vision import hf_full_model, hf_padded_inputs
 from tests.strategies import grids, vision_configs
 from weights import open_checkpoint, save_checkpoint
@@ -403,7 +404,7 @@ def test_stackable_attention_layers(layer_types, shared, head_dims, want):
     shapes = {}
     for i in range(len(layer_types)):
         if not cfg.shares_kv(i):
-            shapes.update(graphs.attention_param_shapes(cfg, i))
+            shapes.update(attention_param_shapes(cfg, i))
     assert graphs.attention_layers_available(config, shapes) == want
     missing = {n: s for n, s in shapes.items() if ".1.self_attn.q_norm" not in n}
     assert graphs.attention_layers_available(config, missing) == 1
