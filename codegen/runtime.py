@@ -75,7 +75,7 @@ class Runner:
         self._check(rows, max_new_tokens)
         runs = [image_runs(r, self.text.image_token_id) for r in rows]
         vision_embeds = self._vision(rows, runs, list(images), log)
-        schedule = [chunk_bounds(len(r), ru, self.seq_len) for r, ru in zip(rows, runs)]  # noqa: B905
+        schedule = [chunk_bounds(len(row), runs[i], self.seq_len) for i, row in enumerate(rows)]
         for i, row_runs in enumerate(runs):
             for start, n in row_runs:
                 if n > self.seq_len:
