@@ -38,6 +38,7 @@ from ref.gemma4.params import (
 )
 from ref.gemma4.text_config import SLIDING, TextConfig
 from ref.gemma4.tower import tower_apply
+from weights import check_shapes
 
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
@@ -311,7 +312,7 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
     embed = prefix != "" and cfg.text_hidden_size is not None
     if embed:
         expected[embed_vision_name(prefix)] = (cfg.text_hidden_size, cfg.hidden_size)
-    require(tensor_shapes, expected)
+    check_shapes(tensor_shapes, expected, "checkpoint")
     names = tuple(sorted(expected))
     k2 = cfg.pooling_kernel_size**2
     width = cfg.text_hidden_size if embed else cfg.hidden_size
@@ -346,16 +347,6 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
         sample=_vision_sample(cfg),
         specializations=specs,
     )
-
-
-def require(tensor_shapes, expected):
-    """Raise GraphError unless every expected tensor is in the checkpoint with its shape."""
-    for name, shape in sorted(expected.items()):
-        found = tensor_shapes.get(name)
-        if found is None:
-            raise GraphError(f"checkpoint lacks tensor {name!r} (expected shape {tuple(shape)})")
-        if tuple(found) != tuple(shape):
-            raise GraphError(f"tensor {name!r} has shape {tuple(found)}, expected {tuple(shape)}")
 
 
 def check_budgets(budgets, ctx_len):
@@ -495,7 +486,7 @@ def attention_graph(
     except ValueError as e:
         raise GraphError(f"blocking {mode!r} {options}: {e}") from e
     expected = {n: s for i in range(layers) for n, s in attention_param_shapes(cfg, i).items()}
-    require(tensor_shapes, expected)
+    check_shapes(tensor_shapes, expected, "checkpoint")
     names = tuple(sorted(expected))
     fold = blocking is not None and blocking.batch_fold
     symbols = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}

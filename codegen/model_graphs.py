@@ -22,7 +22,6 @@ from codegen.graphs import (
     Tensor,
     blocking_config,
     layer_function,
-    require,
     route_layers,
 )
 from ref.attention import blocked, reference
@@ -30,6 +29,7 @@ from ref.blocking import MODES
 from ref.gemma4 import text as T
 from ref.gemma4.params import nested, text_param_shapes
 from ref.gemma4.text_config import SLIDING, TextConfig
+from weights import check_shapes
 
 LM_HEAD = "lm_head.weight"
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -132,7 +132,7 @@ def model_weights(cfg, tensor_shapes):
     }
     if LM_HEAD in tensor_shapes:
         expected[LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
-    require(tensor_shapes, expected)
+    check_shapes(tensor_shapes, expected, "checkpoint")
     names = sorted(n for n in expected if n != LM_HEAD)
     return prefix, tuple(names) + ((LM_HEAD,) if LM_HEAD in expected else ())
 

@@ -22,7 +22,7 @@ def _acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _grouped_mask(mask, b, hkv, g, s, t):
+def _grouped_mask(mask, hkv, g):
     """A mask broadcastable to [B, H, S, T] as one broadcastable to [B, Hkv, g, S, T]."""
     mask = jnp.asarray(mask)
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -92,7 +92,7 @@ def attend(q, k, v, mask, *, scale=1.0, softcap=None):
     if h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
     g = h // hkv
-    m = _grouped_mask(mask, b, hkv, g, s, k.shape[2])
+    m = _grouped_mask(mask, hkv, g)
     state = _step(None, q.reshape(b, hkv, g, s, d), k, v, m, scale=scale, softcap=softcap)
     return _finish(state, q.dtype).reshape(b, h, s, d)
 

@@ -58,19 +58,6 @@ def update(cache_k, cache_v, k_new, v_new, slots):
     return scatter(cache_k, k_new, slots), scatter(cache_v, v_new, slots)
 
 
-def gather(cache, start=0, end=None):
-    """Slots `[start, end)` of a cache [B, Hkv, T, D] → [B, Hkv, end − start, D].
-
-    start and end are static ints (block bounds come from the compile-time ctx_len), so this is
-    a static slice: no dynamic_slice whose start an exporter might not clamp.
-    """
-    t = cache.shape[2]
-    end = t if end is None else end
-    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= t):
-        raise ValueError(f"gather block [{start}, {end}) must satisfy 0 <= start < end <= T={t}")
-    return cache[:, :, start:end]
-
-
 def causal_positions(q_pos, cache_len):
     """Positions of a linear cache (slot t holds position t) as seen by a call whose queries sit
     at q_pos [B, S]: slot t is filled iff t ≤ the row's largest position → [B, T] (−1 = empty)."""

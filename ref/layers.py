@@ -1,8 +1,10 @@
-"""Small pure layers shared by the Gemma 4 vision tower and text model.
+"""Small layers shared by the Gemma 4 vision tower and text model: pure functions, and the
+Linen modules that give them the checkpoint's parameter names (`weight`).
 
 Weights keep the Hugging Face `[out, in]` layout so a checkpoint loads without transposes.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -47,3 +49,40 @@ def gelu_tanh(x):
 def gated_mlp(x, gate, up, down):
     """`down(gelu_tanh(gate(x)) · up(x))`; gate/up/down are callables [..., a] → [..., b]."""
     return down(gelu_tanh(gate(x)) * up(x))
+
+
+class Weight(nn.Module):
+    """A `weight` parameter of the given shape (HF linears: [out, in])."""
+
+    shape: tuple
+
+    @nn.compact
+    def __call__(self):
+        return self.param("weight", nn.initializers.lecun_normal(), self.shape)
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm; `with_scale=False` has no parameter (v_norm, embed_vision)."""
+
+    eps: float
+    with_scale: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        w = None
+        if self.with_scale:
+            w = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        return rms_norm(x, w, self.eps)
+
+
+class Embedding(nn.Module):
+    """Gemma4TextScaledWordEmbedding: `weight[ids] · scale`. ids: [...] → [..., dim]."""
+
+    num: int
+    dim: int
+    scale: float
+
+    @nn.compact
+    def __call__(self, ids):
+        w = self.param("weight", nn.initializers.normal(0.02), (self.num, self.dim))
+        return w[ids] * jnp.asarray(self.scale, w.dtype)

@@ -1,6 +1,8 @@
-"""Rotary position embeddings: half-split rotation and Gemma 4's 2D axial variant."""
+"""Rotary position embeddings: half-split rotation, Gemma 4's 2D axial variant (vision) and
+its text RoPE kinds (default and proportional)."""
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def rotate_half_split(x, angles):
@@ -37,3 +39,25 @@ def axial_rope(x, positions, theta):
     first = rotate_half_split(x[..., :half], angles[:, None, 0, :])
     second = rotate_half_split(x[..., half:], angles[:, None, 1, :])
     return jnp.concatenate([first, second], axis=-1)
+
+
+def rope_inv_freq(rope, head_dim):
+    """Inverse frequencies [head_dim/2] float32 (transformers' default / proportional RoPE).
+
+    Proportional RoPE rotates only the first `partial_rotary_factor · head_dim/2` pairs, with
+    frequencies still spaced over the whole head_dim; the rest get frequency 0 (no rotation).
+    """
+    if rope.kind == "default":
+        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        return (1.0 / np.float32(rope.theta) ** exponent).astype(np.float32)
+    angles = int(rope.partial_rotary_factor * head_dim // 2)
+    exponent = np.arange(0, 2 * angles, 2, dtype=np.float32) / np.float32(head_dim)
+    rotated = 1.0 / np.float32(rope.theta) ** exponent
+    inv = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, np.float32)])
+    return (inv / np.float32(rope.factor)).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x: [B, S, H, D]; positions: [B, S] int; inv_freq: [D/2] → [B, S, H, D]."""
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq)
+    return rotate_half_split(x, angles)

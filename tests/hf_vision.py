@@ -7,6 +7,8 @@ import torch
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
 
+from ref.gemma4.params import nested
+
 
 def hf_vision_config(cfg):
     """A transformers Gemma4VisionConfig from our VisionConfig (eager attention)."""
@@ -93,16 +95,8 @@ def hf_full_model(cfg, seed, text_hidden=20):
 
 def tree_of(state_dict, prefix=""):
     """Nested numpy tree (keys split on '.') of the tensors under `prefix`."""
-    tree = {}
-    for name, t in state_dict.items():
-        if not name.startswith(prefix):
-            continue
-        node = tree
-        *parents, leaf = name[len(prefix) :].split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = t.detach().numpy().copy()
-    return tree
+    names = [n for n in state_dict if n.startswith(prefix)]
+    return nested(names, [state_dict[n].detach().numpy().copy() for n in names], prefix)
 
 
 def patches_for(grids, rng, patch_dim):

@@ -20,26 +20,9 @@ from transformers.models.gemma4 import modeling_gemma4 as hf
 from ref.attention import attend, blocked, mask, reference
 from ref.blocking import MODES
 from ref.cache import fold
+from tests.util import rel_err, vision_runs
 
 TOL = {np.float64: 1e-12, np.float32: 2e-6}
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-
-
-def vision_runs(rng, n):
-    """Random contiguous vision runs over n positions: run id ≥ 0 per vision token, −1 text."""
-    ids = np.full(n, -1)
-    run, i = 0, 0
-    while i < n:
-        length = int(rng.integers(1, 5))
-        if rng.random() < 0.4:
-            ids[i : i + length] = run
-            run += 1
-        i += length
-    return ids
 
 
 def problem(rng, b, h, hkv, s, t, d, dtype, *, scenario, vision):
@@ -171,19 +154,30 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
 @settings(max_examples=8)
 @given(st.sampled_from([1, 5]), st.sampled_from([3, 6]), st.integers(0, 2**32 - 1))
 def test_reference_padding_rows_are_zero_and_dense_oracle(s, t, seed):
-    """Rows no key is visible to are exactly zero; every other row is the float64 softmax."""
+    """Rows no key is visible to are exactly zero; every other row is the float64 softmax over
+    the keys the rule admits, decided here key by key (not by `mask`, which it checks too)."""
     rng = np.random.default_rng(seed)
     q, k, v, q_pos, kv_pos, groups = problem(
         rng, 2, 4, 2, s, t, 4, np.float64, scenario="ring", vision=True
     )
     got = np.asarray(reference(q, k, v, q_pos, kv_pos, **groups, sliding_window=3))
-    m = np.asarray(mask(q_pos, kv_pos, sliding_window=3, **groups))[:, 0]
     kr = np.repeat(k, 2, axis=1)
     vr = np.repeat(v, 2, axis=1)
+
+    def visible(b, i, j):
+        qp, kp, qg, kg = (
+            q_pos[b, i],
+            kv_pos[b, j],
+            groups["q_group"][b, i],
+            groups["kv_group"][b, j],
+        )
+        same_run = qg >= 0 and qg == kg
+        return qp >= 0 and kp >= 0 and (kp <= qp or same_run) and qp - kp < 3
+
     for b in range(2):
         for head in range(4):
             for i in range(s):
-                seen = m[b, i]
+                seen = np.array([visible(b, i, j) for j in range(t)])
                 if not seen.any():
                     assert (got[b, head, i] == 0).all()
                     continue

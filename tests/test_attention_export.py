@@ -7,49 +7,9 @@ import numpy as np
 import onnxruntime as ort
 from jax2onnx import to_onnx
 
+from codegen.ops import ALLOWED_OPS
 from ref import cache
 from ref.attention import blocked
-
-# Ops QEfficient's own exports use; an unrolled block loop must stay inside them.
-ALLOWED = {
-    "Add",
-    "And",
-    "Cast",
-    "Concat",
-    "ConstantOfShape",
-    "Div",
-    "Exp",
-    "Expand",
-    "Greater",
-    "GreaterOrEqual",
-    "Less",
-    "LessOrEqual",
-    "MatMul",
-    "Max",
-    "Mul",
-    "Not",
-    "Or",
-    "Range",
-    "ReduceMax",
-    "ReduceProd",
-    "ReduceSum",
-    "Reshape",
-    "ScatterND",
-    "Shape",
-    "Slice",
-    "Sub",
-    "Transpose",
-    "Unsqueeze",
-    "Where",
-    "Gather",
-    "GatherND",
-    "Squeeze",
-    "Equal",
-    "Identity",
-    "Tanh",
-    "Neg",
-    "Min",
-}
 
 
 def step(q, k, v, q_pos, kv_pos, q_group, kv_group, past, slots):
@@ -88,7 +48,7 @@ def test_blocked_and_scatter_export_to_onnx_without_loops():
     ]
     model = to_onnx(step, shapes)
     ops = {node.op_type for node in model.graph.node}
-    assert ops <= ALLOWED, ops - ALLOWED
+    assert ops <= ALLOWED_OPS, ops - ALLOWED_OPS
     assert "ScatterND" in ops
 
     rng = np.random.default_rng(0)

@@ -48,16 +48,12 @@ def test_scatter_writes_valid_slots_and_nothing_else(b, t, s, seed):
     assert (np.asarray(got_pos) == want_pos).all()
 
 
-def test_gather_fold_and_errors():
+def test_fold_and_errors():
     x = np.arange(2 * 3 * 5 * 1).reshape(2, 3, 5, 1)
-    assert (np.asarray(cache.gather(x, 1, 4)) == x[:, :, 1:4]).all()
-    assert (np.asarray(cache.gather(x)) == x).all()
     folded = np.asarray(cache.fold(x))
     assert folded.shape == (1, 6, 5, 1)
     assert (folded[0, 1 * 3 + 2] == x[1, 2]).all()  # row b·Hkv + h
     assert (np.asarray(cache.unfold(folded, 2)) == x).all()
-    with pytest.raises(ValueError, match="0 <= start < end <= T=5"):
-        cache.gather(x, 3, 7)
     with pytest.raises(ValueError, match="unfold"):
         cache.unfold(folded, 4)
     with pytest.raises(ValueError, match="scatter expects"):

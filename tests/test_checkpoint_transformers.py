@@ -21,32 +21,9 @@ from transformers import (  # noqa: E402
     Gemma4VisionModel,
 )
 
-
-@st.composite
-def vision_configs(draw) -> Gemma4VisionConfig:
-    kv_heads = draw(st.integers(1, 2))
-    heads = kv_heads * draw(st.integers(1, 2))  # GQA on or off
-    head_dim = draw(st.sampled_from([4, 6, 8]))
-    return Gemma4VisionConfig(
-        hidden_size=heads * head_dim,
-        intermediate_size=draw(st.integers(4, 24)),
-        num_hidden_layers=draw(st.integers(1, 2)),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        position_embedding_size=draw(st.integers(4, 16)),
-        use_clipped_linears=draw(st.booleans()),
-        standardize=draw(st.booleans()),
-    )
-
-
-def randomize(model, seed: int):
-    """Every parameter and persistent buffer random: clip bounds, std_bias/std_scale too."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-    return model
+from ref.gemma4.params import dotted  # noqa: E402
+from tests.hf_vision import hf_vision_config, randomize_  # noqa: E402
+from tests.strategies import vision_configs  # noqa: E402
 
 
 def torch_bits(t) -> bytes:
@@ -57,16 +34,8 @@ def np_bits(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: value})
-    return out
-
-
 def assert_matches_state_dict(params: dict, state: dict) -> None:
-    flat = flatten(params)
+    flat = dotted(params)
     assert set(flat) == set(state)
     for name, t in state.items():
         assert flat[name].shape == tuple(t.shape), name
@@ -82,13 +51,13 @@ def assert_matches_state_dict(params: dict, state: dict) -> None:
 
 @settings(max_examples=6)
 @given(
-    config=vision_configs(),
+    config=vision_configs(max_layers=2).map(hf_vision_config),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     shard=st.sampled_from([None, "1KB"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_save_pretrained_vision_model_loads_bit_exactly(config, dtype, shard, seed):
-    model = randomize(Gemma4VisionModel(config).to(dtype), seed)
+    model = randomize_(Gemma4VisionModel(config), seed).to(dtype)
     state = model.state_dict()
     with tempfile.TemporaryDirectory() as tmp:
         kwargs = {} if shard is None else {"max_shard_size": shard}
@@ -133,7 +102,7 @@ def test_save_pretrained_full_model_loads_bit_exactly():
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     )
-    model = randomize(
+    model = randomize_(
         Gemma4ForConditionalGeneration(
             Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
         ),
@@ -154,7 +123,7 @@ def test_save_pretrained_full_model_loads_bit_exactly():
             state["model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight"]
         )
         standalone = Gemma4VisionModel(vision).state_dict()
-        assert set(flatten(tower)) == set(standalone)
+        assert set(dotted(tower)) == set(standalone)
         assert "embedding_projection" in params["model"]["embed_vision"]
 
 

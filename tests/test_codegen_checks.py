@@ -25,14 +25,10 @@ from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.params import attention_param_shapes
 from tests.hf_vision import hf_full_model, hf_padded_inputs
 from tests.strategies import grids, vision_configs
+from tests.util import rel_err, vision_runs
 from weights import open_checkpoint, save_checkpoint
 
 RTOL = 1e-5  # max|onnxruntime − oracle| / max|oracle|, float32 on both sides
-
-
-def rel_err(ours, oracle):
-    oracle = np.asarray(oracle, np.float64)
-    return float(np.max(np.abs(np.asarray(ours, np.float64) - oracle)) / np.max(np.abs(oracle)))
 
 
 class _Info:
@@ -347,7 +343,7 @@ def test_attention_graph_is_transformers_text_attention(k_eq_v, mode, batch, seq
     feed = {
         "hidden_states": rng.standard_normal((batch, seq_len, 32), dtype=np.float32),
         "position_ids": pos,
-        "group_ids": graphs._group_ids(pos, rng),
+        "group_ids": np.stack([vision_runs(rng, seq_len) for _ in range(batch)]).astype(np.int32),
     }
     for t in spec.inputs[3:]:
         feed[t.name] = np.zeros(t.concrete(spec.specializations[0]["symbols"]), np.float32)

@@ -17,6 +17,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from ref.attention import reference
 from ref.blocking import BlockingConfig
 from ref.cache import scatter_positions
+from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import (
     DECODE_MODES,
     PREFILL_MODES,
@@ -24,14 +25,9 @@ from ref.gemma4.model import (
     chunk_bounds,
     image_runs,
 )
-from ref.gemma4.text import (
-    init_cache,
-    merge_vision,
-    rope_inv_freq,
-    step,
-    vision_runs,
-)
+from ref.gemma4.text import merge_vision, step, vision_runs
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.rope import rope_inv_freq
 from tests.hf_vision import hf_padded_inputs, patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_model, prompt, text_config
 

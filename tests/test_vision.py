@@ -23,14 +23,9 @@ from tests.hf_vision import (
     tree_of,
 )
 from tests.strategies import grids, vision_configs
+from tests.util import rel_err
 
 RTOL_F32 = 1e-5
-
-
-def rel_err(ours, oracle):
-    """max|ours − oracle| / max|oracle| (oracle not all zero)."""
-    oracle = np.asarray(oracle, np.float64)
-    return float(np.max(np.abs(np.asarray(ours, np.float64) - oracle)) / np.max(np.abs(oracle)))
 
 
 def small_config(**overrides):

@@ -4,7 +4,13 @@ Headers are indexed first and validated as untrusted input; tensors are memory-m
 one at a time; parameter trees keep the checkpoint's own names, split on ".".
 """
 
-from weights.checkpoint import Checkpoint, load_checkpoint, open_checkpoint, save_checkpoint
+from weights.checkpoint import (
+    Checkpoint,
+    check_shapes,
+    load_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+)
 from weights.errors import CheckpointError
 from weights.safetensors import (
     DTYPES,
@@ -21,6 +27,7 @@ __all__ = [
     "DTYPES",
     "Checkpoint",
     "CheckpointError",
+    "check_shapes",
     "TensorInfo",
     "dtype_code",
     "load_checkpoint",

@@ -82,17 +82,23 @@ class Checkpoint:
 
     def require(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Raise if any expected tensor is missing or has another shape (names both shapes)."""
-        for name, shape in expected.items():
-            info = self.tensors.get(name)
-            if info is None:
-                raise CheckpointError(
-                    f"{self.dir}: tensor {name!r} with shape {tuple(shape)} is missing "
-                    f"(found shape: none; the checkpoint holds {len(self.tensors)} tensors)"
-                )
-            if info.shape != tuple(shape):
-                raise CheckpointError(
-                    f"{info.file}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}"
-                )
+        check_shapes({n: i.shape for n, i in self.tensors.items()}, expected, str(self.dir))
+
+
+def check_shapes(found: dict, expected: dict, where: str) -> None:
+    """Raise CheckpointError unless every expected tensor is in `found` ({name: shape}) with
+    its expected shape; the message names the tensor, both shapes and `where`."""
+    for name, shape in expected.items():
+        got = found.get(name)
+        if got is None:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} with shape {tuple(shape)} is missing "
+                f"(found shape: none; the checkpoint holds {len(found)} tensors)"
+            )
+        if tuple(got) != tuple(shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(got)}, expected {tuple(shape)}"
+            )
 
 
 def _read_json_object(path: Path, what: str, *, strict: bool) -> dict:

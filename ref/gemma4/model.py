@@ -13,7 +13,8 @@ import numpy as np
 
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig
-from ref.gemma4.text import init_cache, step
+from ref.gemma4.kv_cache import init_cache
+from ref.gemma4.text import step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
 

@@ -16,7 +16,7 @@ class Packing:
 
     grids: per item (h, w) in patches; positions: [N, 2] int32 (x = column, y = row);
     segment_ids: [N] int32 item index, −1 for filler; cu_seqlens: [items + 1] int32 patch
-    offsets; max_seqlen: longest item; pool_index: [M, k·k] int32 indices into the packed
+    offsets; pool_index: [M, k·k] int32 indices into the packed
     sequence, row-major over each item's (h/k, w/k) grid; cu_tokens: [items + 1] soft-token
     offsets; num_real_patches / num_real_tokens exclude the filler.
     """
@@ -25,7 +25,6 @@ class Packing:
     positions: np.ndarray
     segment_ids: np.ndarray
     cu_seqlens: np.ndarray
-    max_seqlen: int
     pool_index: np.ndarray
     cu_tokens: np.ndarray
     num_real_patches: int
@@ -103,7 +102,6 @@ def pack(grids, *, pooling_kernel_size=3, position_embedding_size=10240, budget=
         positions=np.concatenate(positions).astype(np.int32),
         segment_ids=np.concatenate(segments).astype(np.int32),
         cu_seqlens=cu,
-        max_seqlen=int(sizes.max()),
         pool_index=np.concatenate(pools).astype(np.int32),
         cu_tokens=cu_tokens,
         num_real_patches=n_real,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ref.gemma4 import text as T
 from ref.gemma4 import vision as V
 from ref.gemma4.attention_stack import AttentionLayer
+from ref.gemma4.kv_cache import init_cache
 
 TEXT = "model.language_model."
 EMBED_VISION = "model.embed_vision.embedding_projection.weight"
@@ -69,5 +70,5 @@ def attention_param_shapes(cfg, i):
 def text_param_shapes(cfg):
     """{checkpoint name: shape} of the whole text decoder (`model.language_model.…`)."""
     ids = jnp.zeros((1, 1), jnp.int32)
-    cache = T.init_cache(cfg, 1, 2, slots_only=True)
+    cache = init_cache(cfg, 1, 2, slots_only=True)
     return _shapes(T.TextModel(cfg), ids, ids, cache, None, None, T.reference, prefix=TEXT)

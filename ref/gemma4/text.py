@@ -16,45 +16,13 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.tree_util import Partial
 
 from ref.attention import reference
-from ref.cache import (
-    causal_positions,
-    rolling_slots,
-    scatter,
-    scatter_positions,
-    update,
-    window_keys,
-)
+from ref.gemma4.kv_cache import cache_len, linear_memory, ring_memory, uses_ring
+from ref.gemma4.moe import Experts, Router
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
-from ref.gemma4.vision import RMSNorm, Weight
-from ref.layers import gated_mlp, gelu_tanh, linear, rms_norm
-from ref.rope import rotate_half_split
-
-
-def rope_inv_freq(rope, head_dim):
-    """Inverse frequencies [head_dim/2] float32 (transformers' default / proportional RoPE).
-
-    Proportional RoPE rotates only the first `partial_rotary_factor · head_dim/2` pairs, with
-    frequencies still spaced over the whole head_dim; the rest get frequency 0 (no rotation).
-    """
-    if rope.kind == "default":
-        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        return (1.0 / np.float32(rope.theta) ** exponent).astype(np.float32)
-    angles = int(rope.partial_rotary_factor * head_dim // 2)
-    exponent = np.arange(0, 2 * angles, 2, dtype=np.float32) / np.float32(head_dim)
-    rotated = 1.0 / np.float32(rope.theta) ** exponent
-    inv = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, np.float32)])
-    return (inv / np.float32(rope.factor)).astype(np.float32)
-
-
-def apply_rope(x, positions, inv_freq):
-    """x: [B, S, H, D]; positions: [B, S] int; inv_freq: [D/2] → [B, S, H, D]."""
-    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq)
-    return rotate_half_split(x, angles)
+from ref.layers import Embedding, RMSNorm, Weight, gated_mlp, gelu_tanh, linear, rms_norm
+from ref.rope import apply_rope, rope_inv_freq
 
 
 def vision_runs(is_vision, positions, cache_group=None):
@@ -101,35 +69,6 @@ def merge_vision(embeds, is_image, vision_embeds, image_idx):
     return merged, image_idx + jnp.sum(count, axis=1, keepdims=True)
 
 
-def route(x, proj, scale, per_expert_scale, top_k, eps):
-    """Gemma4TextRouter as dense combine weights.
-
-    x: [N, D]; proj: [E, D]; scale: [D]; per_expert_scale: [E] → [N, E] float32, zero outside
-    each token's top-k experts, the top-k renormalized to sum 1, then scaled per expert.
-    """
-    h = rms_norm(x, None, eps) * scale.astype(x.dtype) * (x.shape[-1] ** -0.5)
-    probs = jax.nn.softmax(linear(h, proj).astype(jnp.float32), axis=-1)
-    weights, index = jax.lax.top_k(probs, top_k)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights * per_expert_scale.astype(jnp.float32)[index]
-    # a comparison, not jax.nn.one_hot: that exports as ONNX OneHot, outside QAIC's op set
-    experts = lax.broadcasted_iota(index.dtype, (1, 1, proj.shape[0]), 2)
-    onehot = (index[:, :, None] == experts).astype(jnp.float32)  # [N, K, E]
-    return jnp.sum(onehot * weights[:, :, None], axis=1)
-
-
-def experts(x, gate_up, down, combine):
-    """Every expert's gated MLP, mixed by the router's weights (zero for unrouted experts).
-
-    x: [N, D]; gate_up: [E, 2I, D]; down: [E, D, I]; combine: [N, E] → [N, D].
-    """
-    h = jnp.matmul(x[None], jnp.swapaxes(gate_up, 1, 2).astype(x.dtype))  # [E, N, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
-    y = jnp.matmul(gelu_tanh(gate) * up, jnp.swapaxes(down, 1, 2).astype(x.dtype))  # [E, N, D]
-    mixed = jnp.sum(y * jnp.transpose(combine)[:, :, None], axis=0)
-    return mixed.astype(x.dtype)
-
-
 def layer_mask_args(config, positions, groups, full, sliding):
     """Each layer type's mask arguments for `Attention` (keywords of `ref.attention.reference`).
 
@@ -146,19 +85,6 @@ def layer_mask_args(config, positions, groups, full, sliding):
     if config.bidirectional_vision:
         args[SLIDING].update(q_group=groups, kv_group=sliding["kv_group"])
     return args
-
-
-class Embedding(nn.Module):
-    """Gemma4TextScaledWordEmbedding: `weight[ids] · scale`. ids: [...] → [..., dim]."""
-
-    num: int
-    dim: int
-    scale: float
-
-    @nn.compact
-    def __call__(self, ids):
-        w = self.param("weight", nn.initializers.normal(0.02), (self.num, self.dim))
-        return w[ids] * jnp.asarray(self.scale, w.dtype)
 
 
 def _project(x, name, features):
@@ -217,35 +143,6 @@ class MLP(nn.Module):
         )
 
 
-class Router(nn.Module):
-    """Gemma4TextRouter: `proj.weight`, `scale`, `per_expert_scale`. x: [N, D] → [N, E]."""
-
-    config: TextConfig
-
-    @nn.compact
-    def __call__(self, x):
-        c = self.config
-        proj = Weight((c.num_experts, c.hidden_size), name="proj")()
-        scale = self.param("scale", nn.initializers.ones, (c.hidden_size,))
-        per_expert = self.param("per_expert_scale", nn.initializers.ones, (c.num_experts,))
-        return route(x, proj, scale, per_expert, c.top_k_experts, c.rms_norm_eps)
-
-
-class Experts(nn.Module):
-    """Gemma4TextExperts: `gate_up_proj` [E, 2I, D], `down_proj` [E, D, I]."""
-
-    config: TextConfig
-
-    @nn.compact
-    def __call__(self, x, combine):
-        c = self.config
-        e, inter, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        init = nn.initializers.normal(0.02)
-        gate_up = self.param("gate_up_proj", init, (e, 2 * inter, d))
-        down = self.param("down_proj", init, (e, d, inter))
-        return experts(x, gate_up, down, combine)
-
-
 class DecoderLayer(nn.Module):
     """Gemma4TextDecoderLayer: sandwich norms, MLP (+ MoE), per-layer input, layer scalar."""
 
@@ -278,124 +175,6 @@ class DecoderLayer(nn.Module):
             x = x + norm(name="post_per_layer_input_norm")(h)
         scalar = self.param("layer_scalar", nn.initializers.ones, (1,))
         return x * scalar.astype(x.dtype), stored, kv
-
-
-def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_only=False):
-    """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
-
-    ring: sliding-window layers keep only a ring of W = min(sliding_window, ctx_len) slots
-    (position p in slot p mod W), as a deployment would. slots_only: keys and values only, as
-    QAIC's retained state holds them; which position a slot holds is derived from each step's
-    position_ids instead of recorded (see `linear_memory`), and no vision run continues from one
-    step into the next (a prefill chunk must not split an image run).
-    → {"k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and unless
-    slots_only "pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 =
-    text), with ring also "ring_pos", "ring_group": [B, W]}.
-    """
-    c = config
-    window = min(c.sliding_window, ctx_len)
-
-    def shape(i):
-        slots = window if ring and c.layer_types[i] == SLIDING else ctx_len
-        return (batch, c.kv_heads[i], slots, c.head_dims[i])
-
-    owners = [i for i in range(c.num_hidden_layers) if not c.shares_kv(i)]
-    cache = {
-        "k": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
-        "v": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
-    }
-    if slots_only:
-        return cache
-    cache["pos"] = jnp.full((batch, ctx_len), -1, jnp.int32)
-    cache["group"] = jnp.full((batch, ctx_len), -1, jnp.int32)
-    if ring:
-        cache["ring_pos"] = jnp.full((batch, window), -1, jnp.int32)
-        cache["ring_group"] = jnp.full((batch, window), -1, jnp.int32)
-    return cache
-
-
-def cache_len(cache):
-    """ctx_len of a cache: the longest layer cache (a ring holds fewer slots)."""
-    return max(k.shape[2] for k in cache["k"].values())
-
-
-def uses_ring(config, cache):
-    """True when the cache keeps sliding layers in a ring (fewer slots than ctx_len)."""
-    if "ring_pos" in cache:
-        return True
-    t = cache_len(cache)
-    return any(
-        config.layer_types[int(i)] == SLIDING and k.shape[2] < t for i, k in cache["k"].items()
-    )
-
-
-def _last_before(positions):
-    """[B, 1]: the position before each row's first valid one (−1 for a row with none)."""
-    valid = positions >= 0
-    first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
-    return jnp.where(jnp.any(valid, axis=1, keepdims=True), first - 1, -1)
-
-
-def _linear_write(positions, kv, k, v):
-    stored = update(*kv, k, v, positions)
-    return stored, stored
-
-
-def linear_memory(cache, positions, groups):
-    """Slot = position: (cache with the step's positions and run ids recorded, the keys'
-    {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
-
-    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. A
-    slots-only cache derives the keys' positions (slot t holds position t up to the row's
-    largest position) and knows only this step's run ids: every earlier key sits before all of
-    this step's queries, so it is visible causally whatever its run.
-    """
-    if "pos" in cache:
-        pos = scatter_positions(cache["pos"], positions, positions)
-        group = scatter_positions(cache["group"], groups, positions)
-        cache = dict(cache, pos=pos, group=group)
-    else:
-        pos = causal_positions(positions, cache_len(cache))
-        group = scatter_positions(jnp.full_like(pos, -1), groups, positions)
-    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions)
-
-
-def _ring_write(ring_pos, positions, slots, kv, k, v):
-    k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
-    return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
-
-
-def ring_positions(positions, window):
-    """The positions a slots-only ring holds before a step at positions [B, S]: slot s holds the
-    latest position ≤ the row's last one written that is ≡ s (mod W) → [B, W] (−1 = empty)."""
-    last = _last_before(positions)
-    slots = lax.broadcasted_iota(jnp.int32, (1, window), 1)
-    held = last - jnp.mod(last - slots, window)
-    return jnp.where(held >= 0, held, -1).astype(jnp.int32)
-
-
-def ring_memory(cache, positions, groups, window):
-    """Sliding layers in a ring of W slots: like `linear_memory`, but a step attends to the
-    ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos", "kv_group"}
-    [B, W + S]) and then the ring keeps each row's last W positions.
-    """
-    if "ring_pos" in cache:
-        ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
-    else:
-        ring_pos = ring_positions(positions, window)
-        ring_group = jnp.full_like(ring_pos, -1)
-    slots = rolling_slots(positions, window)
-    seen = {
-        "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
-        "kv_group": jnp.concatenate([ring_group, groups.astype(ring_group.dtype)], axis=1),
-    }
-    if "ring_pos" in cache:
-        cache = dict(
-            cache,
-            ring_pos=scatter_positions(ring_pos, positions, slots),
-            ring_group=scatter_positions(ring_group, groups, slots),
-        )
-    return cache, seen, Partial(_ring_write, ring_pos, positions, slots)
 
 
 class Layers(nn.Module):
@@ -436,10 +215,11 @@ class Layers(nn.Module):
 class TextModel(nn.Module):
     """Gemma4TextModel (the checkpoint's `model.language_model`), one step over the cache.
 
-    __call__(input_ids [B, S], positions [B, S] (−1 = padding), cache (see `init_cache`),
-    vision_embeds [B, V, D] or None, image_idx [B, 1] or None, attention) → (hidden
-    [B, S, D] after the final norm, cache, image_idx_output or None, hidden_states: the
-    merged embeddings then every layer's output, each [B, S, D]).
+    __call__(input_ids [B, S], positions [B, S] (−1 = padding), cache (see
+    `ref.gemma4.kv_cache.init_cache`), vision_embeds [B, V, D] or None, image_idx [B, 1] or
+    None, attention) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
+    image_idx_output (with vision_embeds), "hidden_states": the merged embeddings then every
+    layer's output, each [B, S, D]} (the keys `VisionModel` uses where they mean the same).
     """
 
     config: TextConfig
@@ -474,8 +254,14 @@ class TextModel(nn.Module):
         x, keys, values, states = Layers(c, name="layers")(
             x, per_layer, positions, cache["k"], cache["v"], mask_args, writes, attention
         )
-        x = RMSNorm(c.rms_norm_eps, name="norm")(x)
-        return x, dict(cache, k=keys, v=values), image_idx_out, tuple(states)
+        out = {
+            "hidden": RMSNorm(c.rms_norm_eps, name="norm")(x),
+            "cache": dict(cache, k=keys, v=values),
+            "hidden_states": tuple(states),
+        }
+        if image_idx_out is not None:
+            out["image_idx"] = image_idx_out
+        return out
 
     def _per_layer_inputs(self, ids, embeds):
         """Per-layer embeddings (PLE): token identity plus a projection of the embeddings.
@@ -554,9 +340,10 @@ def apply_step(
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
     """
     check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
-    hidden, cache, image_idx_out, states = TextModel(config).apply(
+    model = TextModel(config).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention
     )
+    hidden = model["hidden"]
     if last_only:
         last = jnp.argmax(position_ids, axis=1)[:, None, None]
         hidden = jnp.take_along_axis(hidden, last, axis=1)
@@ -565,11 +352,11 @@ def apply_step(
     cap = config.final_logit_softcapping
     if cap is not None:
         logits = jnp.tanh(logits / cap) * cap
-    out = {"logits": logits, "cache": cache}
-    if image_idx_out is not None:
-        out["image_idx"] = image_idx_out
+    out = {"logits": logits, "cache": model["cache"]}
+    if "image_idx" in model:
+        out["image_idx"] = model["image_idx"]
     if return_hidden:
-        out["hidden_states"] = states
+        out["hidden_states"] = model["hidden_states"]
     return out
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ref.attention import attend
 from ref.gemma4.config import VisionConfig
-from ref.layers import clipped_linear, gated_mlp, linear, rms_norm
+from ref.layers import RMSNorm, Weight, clipped_linear, gated_mlp, linear, rms_norm
 from ref.rope import axial_rope
 
 _CLIP_NAMES = ("input_min", "input_max", "output_min", "output_max")
@@ -97,16 +97,6 @@ def patch_embed(patches, positions, input_proj, table):
     return hidden + (table[0][positions[:, 0]] + table[1][positions[:, 1]]).astype(hidden.dtype)
 
 
-class Weight(nn.Module):
-    """A `weight` parameter of the given shape (HF linears: [out, in])."""
-
-    shape: tuple
-
-    @nn.compact
-    def __call__(self):
-        return self.param("weight", nn.initializers.lecun_normal(), self.shape)
-
-
 class ClippableLinear(nn.Module):
     """Gemma4ClippableLinear: `linear.weight` [out, in] plus four scalar bounds when clipped."""
 
@@ -123,20 +113,6 @@ class ClippableLinear(nn.Module):
                 for n in _CLIP_NAMES
             )
         return clipped_linear(x, w, bounds)
-
-
-class RMSNorm(nn.Module):
-    """Gemma 4 RMSNorm; `with_scale=False` has no parameter (v_norm, embed_vision)."""
-
-    eps: float
-    with_scale: bool = True
-
-    @nn.compact
-    def __call__(self, x):
-        w = None
-        if self.with_scale:
-            w = self.param("weight", nn.initializers.ones, (x.shape[-1],))
-        return rms_norm(x, w, self.eps)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,139 @@
+"""The Gemma 4 decoder's KV cache: its layout per layer and how a step writes and reads it.
+
+`init_cache` lays the cache out (slot = position, or a ring of W slots for sliding layers;
+positions and vision-run ids recorded, or slots only as QAIC's retained state holds them);
+`linear_memory` and `ring_memory` give a step the keys' positions and run ids and the write
+policy its attention layers use. The array operations themselves are `ref.cache`'s.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+from jax.tree_util import Partial
+
+from ref.cache import (
+    causal_positions,
+    rolling_slots,
+    scatter,
+    scatter_positions,
+    update,
+    window_keys,
+)
+from ref.gemma4.text_config import SLIDING
+
+
+def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_only=False):
+    """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
+
+    ring: sliding-window layers keep only a ring of W = min(sliding_window, ctx_len) slots
+    (position p in slot p mod W), as a deployment would. slots_only: keys and values only, as
+    QAIC's retained state holds them; which position a slot holds is derived from each step's
+    position_ids instead of recorded (see `linear_memory`), and no vision run continues from one
+    step into the next (a prefill chunk must not split an image run).
+    → {"k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and unless
+    slots_only "pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 =
+    text), with ring also "ring_pos", "ring_group": [B, W]}.
+    """
+    c = config
+    window = min(c.sliding_window, ctx_len)
+
+    def shape(i):
+        slots = window if ring and c.layer_types[i] == SLIDING else ctx_len
+        return (batch, c.kv_heads[i], slots, c.head_dims[i])
+
+    owners = [i for i in range(c.num_hidden_layers) if not c.shares_kv(i)]
+    cache = {
+        "k": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
+        "v": {str(i): jnp.zeros(shape(i), dtype) for i in owners},
+    }
+    if slots_only:
+        return cache
+    cache["pos"] = jnp.full((batch, ctx_len), -1, jnp.int32)
+    cache["group"] = jnp.full((batch, ctx_len), -1, jnp.int32)
+    if ring:
+        cache["ring_pos"] = jnp.full((batch, window), -1, jnp.int32)
+        cache["ring_group"] = jnp.full((batch, window), -1, jnp.int32)
+    return cache
+
+
+def cache_len(cache):
+    """ctx_len of a cache: the longest layer cache (a ring holds fewer slots)."""
+    return max(k.shape[2] for k in cache["k"].values())
+
+
+def uses_ring(config, cache):
+    """True when the cache keeps sliding layers in a ring (fewer slots than ctx_len)."""
+    if "ring_pos" in cache:
+        return True
+    t = cache_len(cache)
+    return any(
+        config.layer_types[int(i)] == SLIDING and k.shape[2] < t for i, k in cache["k"].items()
+    )
+
+
+def _last_before(positions):
+    """[B, 1]: the position before each row's first valid one (−1 for a row with none)."""
+    valid = positions >= 0
+    first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+    return jnp.where(jnp.any(valid, axis=1, keepdims=True), first - 1, -1)
+
+
+def _linear_write(positions, kv, k, v):
+    stored = update(*kv, k, v, positions)
+    return stored, stored
+
+
+def linear_memory(cache, positions, groups):
+    """Slot = position: (cache with the step's positions and run ids recorded, the keys'
+    {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
+
+    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. A
+    slots-only cache derives the keys' positions (slot t holds position t up to the row's
+    largest position) and knows only this step's run ids: every earlier key sits before all of
+    this step's queries, so it is visible causally whatever its run.
+    """
+    if "pos" in cache:
+        pos = scatter_positions(cache["pos"], positions, positions)
+        group = scatter_positions(cache["group"], groups, positions)
+        cache = dict(cache, pos=pos, group=group)
+    else:
+        pos = causal_positions(positions, cache_len(cache))
+        group = scatter_positions(jnp.full_like(pos, -1), groups, positions)
+    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions)
+
+
+def _ring_write(ring_pos, positions, slots, kv, k, v):
+    k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
+    return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
+
+
+def ring_positions(positions, window):
+    """The positions a slots-only ring holds before a step at positions [B, S]: slot s holds the
+    latest position ≤ the row's last one written that is ≡ s (mod W) → [B, W] (−1 = empty)."""
+    last = _last_before(positions)
+    slots = lax.broadcasted_iota(jnp.int32, (1, window), 1)
+    held = last - jnp.mod(last - slots, window)
+    return jnp.where(held >= 0, held, -1).astype(jnp.int32)
+
+
+def ring_memory(cache, positions, groups, window):
+    """Sliding layers in a ring of W slots: like `linear_memory`, but a step attends to the
+    ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos", "kv_group"}
+    [B, W + S]) and then the ring keeps each row's last W positions.
+    """
+    if "ring_pos" in cache:
+        ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
+    else:
+        ring_pos = ring_positions(positions, window)
+        ring_group = jnp.full_like(ring_pos, -1)
+    slots = rolling_slots(positions, window)
+    seen = {
+        "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
+        "kv_group": jnp.concatenate([ring_group, groups.astype(ring_group.dtype)], axis=1),
+    }
+    if "ring_pos" in cache:
+        cache = dict(
+            cache,
+            ring_pos=scatter_positions(ring_pos, positions, slots),
+            ring_group=scatter_positions(ring_group, groups, slots),
+        )
+    return cache, seen, Partial(_ring_write, ring_pos, positions, slots)
