@@ -159,8 +159,8 @@ def parser():
     e.add_argument(
         "--seq-len",
         type=int,
-        default=16,
-        help="tokens per prefill chunk and attention call (default 16; decode is 1); a "
+        default=128,
+        help="tokens per prefill chunk and attention call (default 128; decode is 1); a "
         "prompt's image runs must each fit in one chunk",
     )
     e.add_argument(
@@ -216,13 +216,34 @@ def parser():
     )
     r.add_argument("out", type=Path, help="an export folder (written with --graphs model)")
     r.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="the prompt as text, one image placeholder (<|image|>) per --image; needs the "
+        "checkpoint's tokenizer.json (copied into the export folder)",
+    )
+    r.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image file (PNG, JPEG, ...), resized as Gemma 4's image processor does "
+        "(repeatable, in the order of the prompt's placeholders)",
+    )
+    r.add_argument(
+        "--max-soft-tokens",
+        type=int,
+        help="soft tokens per --image, one of the exported budgets (default: the largest "
+        "exported budget that fits one prefill chunk)",
+    )
+    r.add_argument(
         "--prompt-ids",
         type=_ids,
         action="append",
-        required=True,
         metavar="ID,ID,...",
-        help="one prompt row's token ids, each image already expanded to its run of image "
-        "tokens (repeatable: one row each, up to the exported batch size)",
+        help="one prompt row's token ids (repeatable: one row each, up to the exported batch "
+        "size); with --patches each image already expanded to its run of image tokens, with "
+        "--image one image token id per image",
     )
     r.add_argument(
         "--patches",

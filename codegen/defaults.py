@@ -5,9 +5,10 @@ model.safetensors, bfloat16 like the published ones) and exports from it, so the
 takes the same path as a downloaded model. It holds every tensor of a Gemma 4 VLM: the vision
 tower, `embed_vision` and the whole text decoder (per-layer embeddings, KV sharing, k_eq_v).
 
-Random weights follow the testing facts in DESIGN.md: every buffer that defaults to a neutral
-value (position table, clip bounds, std_bias/std_scale) is randomized so a bug in it shows,
-and the q/k norm weights are scaled down so float32 noise stays small through the layers.
+Random weights: every buffer that defaults to a neutral value (position table, clip bounds,
+std_bias/std_scale) is randomized so a bug in it shows, and the q/k norm weights are scaled
+down (unscaled attention on RMS-normed q/k is sharp) so float32 noise stays small through the
+layers.
 """
 
 import json
@@ -121,17 +122,50 @@ def cache_dir():
     return Path(root) / f"default-model-{SEED}"
 
 
+# The default tokenizer: Gemma 4's special tokens at the ids DEFAULT_CONFIG names, then words,
+# then filler up to the vocabulary size (a word-level stand-in for Gemma's 262k SentencePiece).
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|image>", "<image|>")
+WORDS = (
+    "a an the this that these those it its is are was be and or but not of in on at to for "
+    "with from by as what which who where when how why describe tell me show write answer "
+    "image picture photo video frame color colour red green blue black white gray yellow "
+    "small large big left right top bottom middle there here one two three many some all "
+    "cat dog person people car tree sky sun house road water text sign light dark . , : ? !"
+).split()
+
+
+def default_tokenizer():
+    """A `tokenizers` Tokenizer for the default model (word level, lower-cased, split on
+    whitespace and punctuation)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab_size = DEFAULT_CONFIG["text_config"]["vocab_size"]
+    tokens = list(SPECIAL_TOKENS) + list(WORDS)
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, "<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return backend
+
+
 def default_checkpoint(folder=None):
-    """The default checkpoint's folder, written on first use (atomically, by `weights`)."""
+    """The default checkpoint's folder (config.json, model.safetensors, tokenizer.json), written
+    on first use (atomically: the weights by `weights`, the tokenizer by a rename)."""
     from weights import save_checkpoint
 
     folder = cache_dir() if folder is None else Path(folder)
     config_path = folder / "config.json"
-    if config_path.is_file() and (folder / "model.safetensors").is_file():
+    files = ("model.safetensors", "tokenizer.json")
+    if config_path.is_file() and all((folder / f).is_file() for f in files):
         try:
             if json.loads(config_path.read_text()) == DEFAULT_CONFIG:
                 return folder
         except (OSError, ValueError):
             pass
     save_checkpoint(folder, DEFAULT_CONFIG, default_tensors(), overwrite=True)
+    tmp = folder / "tokenizer.json.tmp"
+    default_tokenizer().save(str(tmp))
+    os.replace(tmp, folder / "tokenizer.json")
     return folder

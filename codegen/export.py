@@ -7,10 +7,8 @@ folder is itself a checkpoint `verify` can reopen. It is built in a temporary si
 renamed into place: a failed export leaves nothing behind.
 """
 
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import sys
@@ -18,15 +16,21 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-from jax2onnx import to_onnx
-from jax2onnx.plugins import plugin_system
-
-from codegen import checks, external, graphs, model_graphs, qaic
+from codegen import (
+    attention_graph,
+    checks,
+    external,
+    graphs,
+    model_graphs,
+    qaic,
+    vision_graph,
+)
 from codegen.ops import OPSET
+from codegen.trace import trace
 from weights import open_checkpoint
 
 MANIFEST = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 FORMAT = "gemma4-qaic-export/1"
 
 
@@ -48,7 +52,7 @@ class ExportOptions:
     blocking: tuple = ()  # attention graphs: ((mode, {option: value}), ...)
     attention_layers: int | None = None
     batch_size: int = 1
-    seq_len: int = 16
+    seq_len: int = 128
     ctx_len: int = 256
     weights: str = "external"
     sub_functions: bool = True
@@ -81,7 +85,7 @@ class ExportOptions:
         if unknown or not self.graphs:
             raise ExportError(f"--graphs {list(self.graphs)}: expected 'model' and/or 'attention'")
         try:
-            graphs.check_budgets(self.budgets, None)
+            vision_graph.check_budgets(self.budgets, None)
         except graphs.GraphError as e:
             raise ExportError(str(e)) from e
 
@@ -92,13 +96,13 @@ def plan(checkpoint, opts):
     model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     language = "model" in opts.graphs and model_graphs.text_prefix(shapes) is not None
-    language = language and model_graphs.model_config(checkpoint.config) is not None
+    language = language and graphs.text_config(checkpoint.config) is not None
     specs = []
-    if opts.budgets and graphs.vision_prefix(shapes) is not None:
+    if opts.budgets and vision_graph.vision_prefix(shapes) is not None:
         # vision_size < ctx_len binds only where a language graph reads the soft tokens
-        graphs.check_budgets(opts.budgets, opts.ctx_len if language else None)
+        vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
         specs.append(
-            graphs.vision_graph(
+            vision_graph.vision_graph(
                 checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
             )
         )
@@ -122,7 +126,7 @@ def plan(checkpoint, opts):
                     use_functions=opts.sub_functions,
                 )
             )
-    stackable = "attention" in opts.graphs and graphs.attention_layers_available(
+    stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
         checkpoint.config, shapes
     )
     seen = {}
@@ -130,7 +134,7 @@ def plan(checkpoint, opts):
         seen[mode] = seen.get(mode, 0) + 1
         name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
         specs.append(
-            graphs.attention_graph(
+            attention_graph.attention_graph(
                 checkpoint.config,
                 shapes,
                 name=name,
@@ -149,69 +153,6 @@ def plan(checkpoint, opts):
             f"for --graphs model, no stackable attention layers for --graphs attention)"
         )
     return specs
-
-
-def _load_jax_plugins():
-    """Register jax2onnx's plugins for JAX primitives only (1-2 s), before its first call.
-
-    Left alone, the first `to_onnx` imports every plugin tree, examples included, and those
-    compile Equinox models at import: 10-20 s of a 2-core machine. `ref` is plain JAX (Linen
-    modules only compose jnp functions), so the JAX primitive plugins are all it needs.
-    """
-    if plugin_system._already_imported_plugins:
-        return
-    root = Path(plugin_system.__file__).parent
-    plugin_system._import_tree(root / "jax", "jax2onnx.plugins.jax")
-    plugin_system._already_imported_plugins = True
-
-
-@contextlib.contextmanager
-def _quiet_onnx_ir():
-    """onnx_ir logs a warning per shape-only constant it serializes ("value type ... not
-    known"): dozens per graph, none actionable. Keep its errors."""
-    logger = logging.getLogger("onnx_ir")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def trace(spec, tensors):
-    """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
-    first = spec.specializations[0]["symbols"]
-    bound = {k: v for k, v in first.items() if k in spec.static}
-    args = [
-        jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), t.dtype) for t in spec.inputs
-    ]
-    args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
-    _load_jax_plugins()
-    with jax.enable_x64(False), graphs.layer_scope(), _quiet_onnx_ir():
-        model = to_onnx(
-            spec.fn,
-            args,
-            model_name=spec.name,
-            opset=OPSET,
-            input_names=[t.name for t in spec.inputs] + list(spec.weights),
-            output_names=[t.name for t in spec.outputs],
-        )
-    if spec.static:
-        _label_symbols(model, spec)
-    return model
-
-
-def _label_symbols(model, spec):
-    """Give a statically traced graph's I/O the symbols its specialization binds."""
-    declared = {t.name: t.shape for t in spec.inputs + spec.outputs}
-    for value in list(model.graph.input) + list(model.graph.output):
-        shape = declared.get(value.name)
-        if shape is None:
-            continue
-        for dim, want in zip(value.type.tensor_type.shape.dim, shape, strict=True):
-            if isinstance(want, str):
-                dim.Clear()
-                dim.dim_param = want
 
 
 def _function_names(model):
@@ -351,7 +292,9 @@ def export(opts, log=None):
     start = time.perf_counter()
     try:
         shards = external.place_shards(checkpoint.shards, tmp, checkpoint.dir)
-        for extra in ("config.json", "model.safetensors.index.json"):
+        # the tokenizer too, so `run --prompt` needs nothing but the export folder
+        extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+        for extra in extras:
             if (checkpoint.dir / extra).is_file():
                 shutil.copyfile(checkpoint.dir / extra, tmp / extra)
         for s in shards:

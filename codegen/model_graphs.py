@@ -23,27 +23,17 @@ from codegen.graphs import (
     blocking_config,
     layer_function,
     route_layers,
+    text_config,
 )
 from ref.attention import blocked, reference
 from ref.blocking import MODES
 from ref.gemma4 import text as T
 from ref.gemma4.params import nested, text_param_shapes
-from ref.gemma4.text_config import SLIDING, TextConfig
+from ref.gemma4.text_config import SLIDING
 from weights import check_shapes
 
 LM_HEAD = "lm_head.weight"
 TEXT_PREFIXES = ("model.language_model.", "model.")
-
-
-def model_config(checkpoint_config):
-    """The TextConfig of a Gemma 4 checkpoint (full VLM or text-only), None without one."""
-    text = checkpoint_config.get("text_config", checkpoint_config)
-    if not isinstance(text, dict) or "hidden_size" not in text or "vocab_size" not in text:
-        return None
-    try:
-        return TextConfig.from_hf(checkpoint_config)
-    except ValueError as e:
-        raise GraphError(f"text_config: {e}") from e
 
 
 def text_prefix(tensor_names):
@@ -184,7 +174,7 @@ def model_graph(
     Traced at (batch_size, seq_len, ctx_len): block bounds are compile-time constants;
     `vision_size` stays symbolic. mode/options: the phase's blocking (see `phase_blocking`).
     """
-    cfg = model_config(checkpoint_config)
+    cfg = text_config(checkpoint_config)
     if cfg is None:
         raise GraphError("no text_config: a vision-only checkpoint has no language graphs")
     if phase not in ("prefill", "decode"):

@@ -20,6 +20,7 @@ import numpy as np
 from codegen.export import MANIFEST
 from codegen.verify import open_session
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.images import expand_prompt, num_soft_tokens, preprocess, prompt_tokens
 from ref.gemma4.model import chunk_bounds, image_runs
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.text_config import TextConfig
@@ -214,21 +215,93 @@ class Runner:
         return {n: out[n + "_RetainedState"] for n in caches}
 
 
+def read_image(path):
+    """An image file as [H, W, 3|4] or [H, W] uint8 (what `ref.gemma4.images` takes): RGB, RGBA
+    and grayscale as stored, other modes (palette, CMYK, 16-bit) converted by Pillow."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            if img.mode not in ("RGB", "RGBA", "L"):
+                alpha = img.mode in ("LA", "PA") or "transparency" in img.info
+                img = img.convert("RGBA" if alpha else "RGB")
+            return np.asarray(img)
+    except (OSError, UnidentifiedImageError) as e:
+        raise RunError(f"--image {path}: {e}") from e
+
+
+def read_tokenizer(folder):
+    """The export folder's tokenizer.json (copied from the checkpoint) as a `tokenizers`
+    Tokenizer."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise RunError(
+            f"--prompt needs {path}: export from a checkpoint folder holding tokenizer.json, "
+            "or pass --prompt-ids"
+        )
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises its own exception types
+        raise RunError(f"{path}: not a readable tokenizer.json ({e})") from e
+
+
+def default_soft_tokens(runner):
+    """The largest exported budget whose image run fits one prefill chunk (else the least)."""
+    fits = [b for b in runner.budgets if b <= runner.seq_len]
+    return max(fits) if fits else min(runner.budgets, default=70)
+
+
+def _photo_prompt(args, runner):
+    """(prompt ids, images) from --image files and --prompt text or placeholder --prompt-ids."""
+    tokens = prompt_tokens(runner.checkpoint.config)
+    cfg = VisionConfig.from_hf(runner.checkpoint.config)
+    budget = args.max_soft_tokens or default_soft_tokens(runner)
+    pixels = [read_image(p) for p in args.image]
+    patches, grids = preprocess(
+        pixels, budget, patch_size=cfg.patch_size, pooling_kernel_size=cfg.pooling_kernel_size
+    )
+    counts = num_soft_tokens(grids, cfg.pooling_kernel_size)
+    if args.prompt is not None:
+        tokenizer = read_tokenizer(runner.folder)
+        text = expand_prompt(args.prompt, counts, tokens=tokens)
+        rows = [np.asarray(tokenizer.encode(text).ids)]
+    else:
+        rows = [expand_prompt(args.prompt_ids[0], counts, tokens=tokens)]
+    return rows, list(zip(patches, grids, strict=True)), tokenizer if args.prompt else None
+
+
 def main(args):
     """`python -m codegen run`: prints progress to stderr and each row's ids, comma-separated,
-    as the last lines."""
-    images = []
-    if len(args.patches) != len(args.grid):
-        raise RunError(f"{len(args.patches)} --patches but {len(args.grid)} --grid: one pair each")
-    for path, grid in zip(args.patches, args.grid, strict=True):
-        try:
-            patches = np.load(path)
-        except (OSError, ValueError) as e:
-            raise RunError(f"--patches {path}: {e}") from e
-        images.append((np.asarray(patches, np.float32), grid))
+    as the last lines (after each row's text when a tokenizer is at hand)."""
     runner = Runner(args.out)
+    tokenizer = None
+    if args.image or args.prompt is not None:
+        if args.patches or len(args.prompt_ids or []) > 1:
+            raise RunError("--image/--prompt take one prompt row, without --patches")
+        if args.prompt is None and not args.prompt_ids:
+            raise RunError("--image needs --prompt TEXT or --prompt-ids with image placeholders")
+        rows, images, tokenizer = _photo_prompt(args, runner)
+    else:
+        if not args.prompt_ids:
+            raise RunError("give --prompt-ids (or --prompt, or --image with a prompt)")
+        if len(args.patches) != len(args.grid):
+            raise RunError(
+                f"{len(args.patches)} --patches but {len(args.grid)} --grid: one pair each"
+            )
+        images = []
+        for path, grid in zip(args.patches, args.grid, strict=True):
+            try:
+                patches = np.load(path)
+            except (OSError, ValueError) as e:
+                raise RunError(f"--patches {path}: {e}") from e
+            images.append((np.asarray(patches, np.float32), grid))
+        rows = args.prompt_ids
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    tokens = runner.generate(args.prompt_ids, images, max_new_tokens=args.max_new_tokens, log=log)
+    tokens = runner.generate(rows, images, max_new_tokens=args.max_new_tokens, log=log)
     for row in tokens:
+        if tokenizer is not None:
+            print(tokenizer.decode([int(t) for t in row], skip_special_tokens=False))
         print(",".join(str(int(t)) for t in row))
     return 0

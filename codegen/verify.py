@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from codegen import external, graphs, model_graphs
+from codegen import attention_graph, external, graphs, model_graphs, vision_graph
 from codegen.export import MANIFEST
 from weights import open_checkpoint
 
@@ -30,9 +30,11 @@ def rebuild(entry, checkpoint):
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     o = entry["options"]
     if entry["kind"] == "vision":
-        return graphs.vision_graph(checkpoint.config, shapes, o["budgets"], use_functions=False)
+        return vision_graph.vision_graph(
+            checkpoint.config, shapes, o["budgets"], use_functions=False
+        )
     if entry["kind"] == "attention":
-        return graphs.attention_graph(
+        return attention_graph.attention_graph(
             checkpoint.config,
             shapes,
             name=entry["name"],

@@ -135,7 +135,7 @@ def test_qaic_artifacts(exported):
     prefill = json.loads((out / "prefill.specializations.json").read_text())
     assert prefill["specializations"][1] == {
         "name": "prefill_140",
-        "symbols": {"batch_size": "1", "seq_len": "16", "ctx_len": "256", "vision_size": "140"},
+        "symbols": {"batch_size": "1", "seq_len": "128", "ctx_len": "256", "vision_size": "140"},
     }
     script = (out / "compile.sh").read_text()
     lines = [line for line in script.splitlines() if line.startswith("qaic-compile")]

@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from codegen import checks, external, graphs
+from codegen import attention_graph, checks, external, graphs
 from codegen.defaults import DEFAULT_CONFIG, default_checkpoint
-from codegen.export import ExportOptions, export, trace
+from codegen.export import ExportOptions, export
+from codegen.trace import trace
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.params import attention_param_shapes
@@ -200,7 +201,7 @@ def test_blocked_attention_graph_matches_dense_reference(
     }
     shapes = {n: i.shape for n, i in default_model.tensors.items()}
     try:
-        spec = graphs.attention_graph(
+        spec = attention_graph.attention_graph(
             DEFAULT_CONFIG,
             shapes,
             name="a",
@@ -272,7 +273,7 @@ def test_exported_vision_graph_matches_transformers(cfg, grid_list, seed, tmp_pa
 
 def test_inputs_to_initializers_roundtrip(default_model):
     """The verify-time binding of a `--weights inputs` graph names exactly the spec's bytes."""
-    spec = graphs.attention_graph(
+    spec = attention_graph.attention_graph(
         DEFAULT_CONFIG,
         {n: i.shape for n, i in default_model.tensors.items()},
         name="a",
@@ -327,7 +328,7 @@ def test_attention_graph_is_transformers_text_attention(k_eq_v, mode, batch, seq
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     shapes = {k: v.shape for k, v in state.items()}
     options = {} if mode == "none" else graphs.DEFAULT_BLOCKING[mode]
-    spec = graphs.attention_graph(
+    spec = attention_graph.attention_graph(
         hf.config.to_dict(),
         shapes,
         name="a",
@@ -401,11 +402,11 @@ def test_stackable_attention_layers(layer_types, shared, head_dims, want):
     for i in range(len(layer_types)):
         if not cfg.shares_kv(i):
             shapes.update(attention_param_shapes(cfg, i))
-    assert graphs.attention_layers_available(config, shapes) == want
+    assert attention_graph.attention_layers_available(config, shapes) == want
     missing = {n: s for n, s in shapes.items() if ".1.self_attn.q_norm" not in n}
-    assert graphs.attention_layers_available(config, missing) == 1
+    assert attention_graph.attention_layers_available(config, missing) == 1
     with pytest.raises(graphs.GraphError, match="stackable"):
-        graphs.attention_graph(
+        attention_graph.attention_graph(
             config,
             shapes,
             name="a",

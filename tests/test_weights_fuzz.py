@@ -2,8 +2,9 @@
 `safetensors` library reads them or raise CheckpointError -- never another exception, a hang,
 or a read outside the file.
 
-Each test asserts it ran at least FUZZ_EXAMPLES cases (2,000 headers + 1,000 folders by
-default; `WEIGHTS_FUZZ_EXAMPLES=N` or `HYPOTHESIS_PROFILE=long` (20,000) for a longer run).
+The header test asserts it ran at least FUZZ_EXAMPLES cases and the folder test
+FUZZ_EXAMPLES // 2 (2,000 headers + 1,000 folders by default; `WEIGHTS_FUZZ_EXAMPLES=N`, or
+`HYPOTHESIS_PROFILE=long` for 20,000 + 10,000, for a longer run).
 """
 
 import contextlib

@@ -61,11 +61,12 @@ def text_config(*, moe, layer_types, shared=0, k_eq_v=False, ple=16, softcap=30.
     )
 
 
-def hf_model(text, seed):
-    """A randomized float32 eager Gemma4ForConditionalGeneration with a tiny vision tower."""
+def hf_model(text, seed, **vision):
+    """A randomized float32 eager Gemma4ForConditionalGeneration with a tiny vision tower
+    (VISION, updated by `vision`)."""
     config = Gemma4Config(
         text_config=text,
-        vision_config=dict(VISION),
+        vision_config={**VISION, **vision},
         image_token_id=IMAGE,
         boi_token_id=BOI,
         eoi_token_id=EOI,

@@ -13,6 +13,7 @@ import numpy as np
 
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig
+from ref.gemma4.images import GEMMA4_TOKENS, expand_prompt, num_soft_tokens, prompt_tokens
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.text import step
 from ref.gemma4.text_config import TextConfig
@@ -100,8 +101,17 @@ class Gemma4:
     `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`).
     """
 
-    def __init__(self, text_config, text_params, lm_head=None, vision=None, dtype=jnp.float32):
+    def __init__(
+        self,
+        text_config,
+        text_params,
+        lm_head=None,
+        vision=None,
+        dtype=jnp.float32,
+        tokens=GEMMA4_TOKENS,
+    ):
         self.config = text_config
+        self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
         cast = lambda a: jnp.asarray(a, self.dtype)  # noqa: E731
         self.params = jax.tree_util.tree_map(cast, text_params)
@@ -123,7 +133,8 @@ class Gemma4:
         if "vision_tower" in model and "embed_vision" in model:
             vision = VisionTower.from_params(hf_config, params, dtype)
         lm_head = params.get("lm_head", {}).get("weight")
-        return cls(TextConfig.from_hf(hf_config), text, lm_head, vision, dtype)
+        config = TextConfig.from_hf(hf_config)
+        return cls(config, text, lm_head, vision, dtype, prompt_tokens(hf_config))
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=jnp.float32):
@@ -131,41 +142,44 @@ class Gemma4:
         hf_config, params = checkpoint_loader()(model_dir)
         return cls.from_params(hf_config, params, dtype)
 
-    def generate(
-        self,
-        input_ids,
-        patches=None,
-        grids=None,
-        *,
-        max_new_tokens,
-        chunk_size=None,
-        prefill_blocking=None,
-        decode_blocking=None,
-        lengths=None,
-        sliding_ring=False,
-    ):
+    def generate(self, input_ids, patches=None, grids=None, **options):
         """Greedy generation → [B, max_new_tokens] int token ids.
 
         input_ids: [B, L], each image already a run of image tokens; patches/grids: the
         images in order of appearance, row by row, as `VisionTower.embed` takes them;
-        lengths: [B] prompt lengths of right-padded rows (default: all L). See
-        `generate_embedded` for the other options.
+        options: those of `generate_embedded` (max_new_tokens, chunk_size, prefill_blocking,
+        decode_blocking, lengths, sliding_ring).
         """
         images = []
         if grids:
             if self.vision is None:
                 raise ValueError("images given but the model has no vision tower")
             images = self.vision.embed(patches, grids)
-        return self.generate_embedded(
-            input_ids,
-            images,
-            max_new_tokens=max_new_tokens,
-            chunk_size=chunk_size,
-            prefill_blocking=prefill_blocking,
-            decode_blocking=decode_blocking,
-            lengths=lengths,
-            sliding_ring=sliding_ring,
-        )
+        return self.generate_embedded(input_ids, images, **options)
+
+    def generate_from(self, prompt, images=(), *, max_soft_tokens=280, tokenize=None, **options):
+        """Greedy generation for one prompt with images as pixels → [max_new_tokens] int ids.
+
+        prompt: text with one `self.tokens.image_token` placeholder per image (tokenize(str)
+        → ids needed; the text is expanded first, then tokenized, as Gemma4Processor does), or
+        token ids with one `image_token_id` per image; images: [H, W, 3|4] or [H, W] uint8
+        arrays in order, resized into `max_soft_tokens` each as Gemma 4's image processor
+        does; options: those of `generate_embedded`.
+        """
+        patches, grids = [], []
+        if len(images):
+            if self.vision is None:
+                raise ValueError("images given but the model has no vision tower")
+            patches, grids = self.vision.preprocess(images, max_soft_tokens)
+        k = 1 if self.vision is None else self.vision.config.pooling_kernel_size
+        counts = num_soft_tokens(grids, k)
+        if isinstance(prompt, str):
+            if tokenize is None:
+                raise ValueError("a text prompt needs tokenize(str) → token ids")
+            ids = np.asarray(tokenize(expand_prompt(prompt, counts, tokens=self.tokens)))
+        else:
+            ids = expand_prompt(prompt, counts, tokens=self.tokens)
+        return self.generate(ids[None], patches, grids, **options)[0]
 
     def generate_embedded(
         self,
@@ -182,11 +196,13 @@ class Gemma4:
         """Greedy generation from images already embedded → [B, max_new_tokens] int ids.
 
         images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
-        chunk_size: None prefills each prompt in one step, else at most chunk_size tokens
-        per step (image runs are never split, see `chunk_bounds`); prefill_blocking: None,
-        one of PREFILL_MODES or a prefill BlockingConfig; decode_blocking: None, one of
-        DECODE_MODES or a decode BlockingConfig (see `attention_for`); sliding_ring: keep
-        sliding layers' keys in a ring of sliding_window slots (see `init_cache`).
+        max_new_tokens: tokens to generate per row; chunk_size: None prefills each prompt in
+        one step, else at most chunk_size tokens per step (image runs are never split, see
+        `chunk_bounds`); prefill_blocking: None, one of PREFILL_MODES or a prefill
+        BlockingConfig; decode_blocking: None, one of DECODE_MODES or a decode BlockingConfig
+        (see `attention_for`); lengths: [B] prompt lengths of right-padded rows (default: all
+        L); sliding_ring: keep sliding layers' keys in a ring of sliding_window slots (see
+        `ref.gemma4.kv_cache.init_cache`).
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -203,16 +219,37 @@ class Gemma4:
         ctx_len = int(lengths.max()) + max_new_tokens
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
         seq = max(e - s for bounds in schedule for s, e in bounds)
-        run = partial(step, self.params, self.lm_head, config=self.config, last_only=True)
-
         # block counts must fit the shortest key axis any layer attends over
         ring = min(self.config.sliding_window, ctx_len) if sliding_ring else ctx_len
         prefill = attention_for(
             prefill_blocking, prefill=True, batch=b, queries=seq, ctx_len=min(ctx_len, ring + seq)
         )
+        decode = attention_for(
+            decode_blocking, prefill=False, batch=b, queries=1, ctx_len=min(ctx_len, ring + 1)
+        )
         cache = init_cache(self.config, b, ctx_len, self.dtype, ring=sliding_ring)
+        cache, logits = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill)
+        return self._decode(cache, logits, lengths, max_new_tokens, decode)
+
+    def _run(self, cache, ids, positions, *args, attention):
+        return step(
+            self.params,
+            self.lm_head,
+            cache,
+            jnp.asarray(ids),
+            jnp.asarray(positions),
+            *args,
+            config=self.config,
+            attention=attention,
+            last_only=True,
+        )
+
+    def _prefill(self, cache, rows, schedule, seq, vision_embeds, attention):
+        """Every row's chunks, chunk k of each row in step k → (cache, [B, V] logits of each
+        row's last prompt token)."""
+        b = len(rows)
         image_idx = None if vision_embeds is None else jnp.zeros((b, 1), jnp.int32)
-        last_logits = [None] * b
+        last = [None] * b
         for k in range(max(len(s) for s in schedule)):
             chunk_ids = np.zeros((b, seq), np.int32)
             chunk_pos = np.full((b, seq), -1, np.int32)
@@ -221,27 +258,22 @@ class Gemma4:
                     s, e = bounds[k]
                     chunk_ids[i, : e - s] = rows[i][s:e]
                     chunk_pos[i, : e - s] = np.arange(s, e)
-            out = run(
-                cache,
-                jnp.asarray(chunk_ids),
-                jnp.asarray(chunk_pos),
-                vision_embeds,
-                image_idx,
-                attention=prefill,
+            out = self._run(
+                cache, chunk_ids, chunk_pos, vision_embeds, image_idx, attention=attention
             )
             cache, image_idx = out["cache"], out.get("image_idx")
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
-                    last_logits[i] = out["logits"][i, 0]
+                    last[i] = out["logits"][i, 0]
+        return cache, jnp.stack(last)
 
-        decode = attention_for(
-            decode_blocking, prefill=False, batch=b, queries=1, ctx_len=min(ctx_len, ring + 1)
-        )
-        token = jnp.argmax(jnp.stack(last_logits), axis=-1).astype(jnp.int32)
+    def _decode(self, cache, logits, lengths, max_new_tokens, attention):
+        """Greedy tokens from the prompt's last logits, one decode step each → [B, N]."""
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         tokens = [token]
         position = jnp.asarray(lengths, jnp.int32)
         for _ in range(max_new_tokens - 1):
-            out = run(cache, token[:, None], position[:, None], attention=decode)
+            out = self._run(cache, token[:, None], position[:, None], attention=attention)
             cache, position = out["cache"], position + 1
             token = jnp.argmax(out["logits"][:, 0], axis=-1).astype(jnp.int32)
             tokens.append(token)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.images import preprocess
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.vision import EmbedVision, VisionModel
 
@@ -129,6 +130,21 @@ class VisionTower:
         """Soft tokens after embed_vision: list of [h_i·w_i/k², text_hidden]."""
         packing, out = self.run(patches, grids, budget=budget, embed=True)
         return _split(np.asarray(out["embeds"]), packing)
+
+    def preprocess(self, images, max_soft_tokens=280):
+        """(patches, grids) of images [H, W, 3|4] or [H, W] uint8, as Gemma 4's image processor
+        makes them for this tower's patch and pooling sizes (`ref.gemma4.images.preprocess`)."""
+        c = self.config
+        return preprocess(
+            images,
+            max_soft_tokens,
+            patch_size=c.patch_size,
+            pooling_kernel_size=c.pooling_kernel_size,
+        )
+
+    def encode_images(self, images, max_soft_tokens=280):
+        """Soft tokens per image, straight from pixels: `encode(*preprocess(images, M))`."""
+        return self.encode(*self.preprocess(images, max_soft_tokens))
 
 
 def _split(tokens, packing):

@@ -1,0 +1,80 @@
+"""Tracing a GraphSpec into an ONNX ModelProto with jax2onnx, weights as abstract inputs.
+
+No weight is materialized: every weight is a `jax.ShapeDtypeStruct`. Symbols named in the
+spec's `static` are bound to the first specialization's values at trace time (block bounds
+are compile-time constants); the graph's inputs and outputs are labelled with them afterwards.
+"""
+
+import contextlib
+import logging
+from pathlib import Path
+
+import jax
+from jax2onnx import to_onnx
+from jax2onnx.plugins import plugin_system
+
+from codegen import graphs
+from codegen.ops import OPSET
+
+
+def _load_jax_plugins():
+    """Register jax2onnx's plugins for JAX primitives only (1-2 s), before its first call.
+
+    Left alone, the first `to_onnx` imports every plugin tree, examples included, and those
+    compile Equinox models at import: 10-20 s of a 2-core machine. `ref` is plain JAX (Linen
+    modules only compose jnp functions), so the JAX primitive plugins are all it needs.
+    """
+    if plugin_system._already_imported_plugins:
+        return
+    root = Path(plugin_system.__file__).parent
+    plugin_system._import_tree(root / "jax", "jax2onnx.plugins.jax")
+    plugin_system._already_imported_plugins = True
+
+
+@contextlib.contextmanager
+def _quiet_onnx_ir():
+    """onnx_ir logs a warning per shape-only constant it serializes ("value type ... not
+    known"): dozens per graph, none actionable. Keep its errors."""
+    logger = logging.getLogger("onnx_ir")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def trace(spec, tensors):
+    """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
+    first = spec.specializations[0]["symbols"]
+    bound = {k: v for k, v in first.items() if k in spec.static}
+    args = [
+        jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), t.dtype) for t in spec.inputs
+    ]
+    args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
+    _load_jax_plugins()
+    with jax.enable_x64(False), graphs.layer_scope(), _quiet_onnx_ir():
+        model = to_onnx(
+            spec.fn,
+            args,
+            model_name=spec.name,
+            opset=OPSET,
+            input_names=[t.name for t in spec.inputs] + list(spec.weights),
+            output_names=[t.name for t in spec.outputs],
+        )
+    if spec.static:
+        _label_symbols(model, spec)
+    return model
+
+
+def _label_symbols(model, spec):
+    """Give a statically traced graph's I/O the symbols its specialization binds."""
+    declared = {t.name: t.shape for t in spec.inputs + spec.outputs}
+    for value in list(model.graph.input) + list(model.graph.output):
+        shape = declared.get(value.name)
+        if shape is None:
+            continue
+        for dim, want in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+            if isinstance(want, str):
+                dim.Clear()
+                dim.dim_param = want

@@ -1,0 +1,156 @@
+"""The `vision` graph: the packed Gemma 4 vision tower (then embed_vision in a full model) over
+`num_patches` patches pooled to `vision_size` soft tokens, one specialization per budget."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from codegen.graphs import GraphError, GraphSpec, Tensor, route_layers
+from ref.gemma4 import vision as V
+from ref.gemma4.config import VisionConfig
+from ref.gemma4.packing import pack
+from ref.gemma4.params import nested, vision_param_shapes
+from ref.gemma4.tower import tower_apply
+from weights import check_shapes
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+
+
+def vision_prefix(tensor_names):
+    """Where the tower's names start: "model.vision_tower." in a full Gemma 4 checkpoint
+    ("vision_tower." in some saves), "" in a saved vision model; None without a tower."""
+    for prefix in ("model.vision_tower.", "vision_tower.", ""):
+        if prefix + "patch_embedder.input_proj.weight" in tensor_names:
+            return prefix
+    return None
+
+
+def embed_vision_name(prefix):
+    """The embed_vision projection's name beside a tower under `prefix`."""
+    return prefix.replace("vision_tower.", "embed_vision.") + "embedding_projection.weight"
+
+
+def _subtree(params, prefix):
+    for key in prefix.rstrip(".").split(".") if prefix else ():
+        params = params[key]
+    return params
+
+
+def _VISION_LAYER(module):
+    return "Layer"
+
+
+def _vision_forward(cfg, prefix, names, use_functions, embed):
+    """fn(patches, positions, segment_ids, pool_index, *weights) → (embeddings,)."""
+
+    def fn(patches, positions, segment_ids, pool_index, *weights):
+        params = nested(names, weights)
+        embed_params = None
+        if embed:
+            embed_params = _subtree(params, embed_vision_name(prefix).rsplit(".", 2)[0])
+        with nn.intercept_methods(route_layers(V.EncoderLayer, use_functions, _VISION_LAYER)):
+            out = tower_apply(
+                _subtree(params, prefix),
+                embed_params,
+                patches,
+                positions,
+                segment_ids,
+                pool_index,
+                config=cfg,
+            )
+        return (out["embeds"] if embed else out["pooled"],)
+
+    return fn
+
+
+def _vision_sample(cfg):
+    def sample(symbols, rng):
+        """Random images packed into exactly `vision_size` soft tokens (filler included)."""
+        k = cfg.pooling_kernel_size
+        budget = symbols["vision_size"]
+        grids, used = [], 0
+        side_max = max(1, min(cfg.position_embedding_size, 12 * k) // k)
+        while used < budget and len(grids) < 4:
+            th, tw = (int(t) for t in rng.integers(1, side_max + 1, 2))
+            if used + th * tw > budget:
+                break
+            grids.append((th * k, tw * k))
+            used += th * tw
+        if not grids:
+            grids = [(k, k)]
+        packing = pack(
+            grids,
+            pooling_kernel_size=k,
+            position_embedding_size=cfg.position_embedding_size,
+            budget=budget,
+        )
+        n = packing.positions.shape[0]
+        return {
+            "pixel_patches": rng.random((n, cfg.patch_dim), dtype=np.float32),
+            "positions": packing.positions,
+            "segment_ids": packing.segment_ids,
+            "pool_index": packing.pool_index,
+        }
+
+    return sample
+
+
+def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=True):
+    """The packed vision tower over `num_patches` patches pooled to `vision_size` tokens.
+
+    tensor_shapes: {checkpoint name: shape}. One specialization per soft-token budget.
+    """
+    cfg = VisionConfig.from_hf(checkpoint_config)
+    prefix = vision_prefix(tensor_shapes)
+    if prefix is None:
+        raise GraphError("no vision tower: missing tensor 'patch_embedder.input_proj.weight'")
+    expected = {prefix + n: s for n, s in vision_param_shapes(cfg).items()}
+    embed = prefix != "" and cfg.text_hidden_size is not None
+    if embed:
+        expected[embed_vision_name(prefix)] = (cfg.text_hidden_size, cfg.hidden_size)
+    check_shapes(tensor_shapes, expected, "checkpoint")
+    names = tuple(sorted(expected))
+    k2 = cfg.pooling_kernel_size**2
+    width = cfg.text_hidden_size if embed else cfg.hidden_size
+    inputs = (
+        Tensor("pixel_patches", ("num_patches", cfg.patch_dim), "float32"),
+        Tensor("positions", ("num_patches", 2), "int32"),
+        Tensor("segment_ids", ("num_patches",), "int32"),
+        Tensor("pool_index", ("vision_size", k2), "int32"),
+    )
+    outputs = (Tensor("vision_embeds" if embed else "pooled", ("vision_size", width), "float32"),)
+    specs = tuple(
+        {"name": f"vision_{b}", "symbols": {"num_patches": b * k2, "vision_size": b}}
+        for b in budgets
+    )
+    fn = _vision_forward(cfg, prefix, names, use_functions, embed)
+    plain = _vision_forward(cfg, prefix, names, False, embed)
+
+    def reference(feed, weights):
+        args = [feed[t.name] for t in inputs]
+        out = plain(*args, *(jnp.asarray(weights[n], jnp.float32) for n in names))
+        return {outputs[0].name: np.asarray(out[0])}
+
+    return GraphSpec(
+        name="vision",
+        kind="vision",
+        options={"budgets": list(budgets)},
+        inputs=inputs,
+        outputs=outputs,
+        weights=names,
+        fn=fn,
+        reference=reference,
+        sample=_vision_sample(cfg),
+        specializations=specs,
+    )
+
+
+def check_budgets(budgets, ctx_len):
+    """Soft-token budgets must be known sizes and fit the text context (vision_size < ctx_len)."""
+    for b in budgets:
+        if b not in SOFT_TOKEN_BUDGETS:
+            raise GraphError(f"budget {b}: expected one of {SOFT_TOKEN_BUDGETS}")
+        if ctx_len is not None and not b < ctx_len:
+            raise GraphError(f"vision_size {b} must be < ctx_len {ctx_len}")
+    if len(set(budgets)) != len(budgets):
+        raise GraphError(f"budgets {list(budgets)} repeat a value")

@@ -1,0 +1,57 @@
+"""transformers' Gemma4Processor built without a download: a word-level tokenizer made with the
+`tokenizers` library that holds Gemma 4's special tokens, and the PIL image processor."""
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+from transformers.processing_utils import ProcessorMixin
+
+# ids 0–6 as tests/text_oracle.py's models use them: pad, eos, bos, unk, image, boi, eoi
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|image>", "<image|>", "<|video|>"]
+SPECIAL += ["<|audio|>", "<|audio>", "<audio|>"]
+WORDS = ["look", "at", "this", "and", "then", "that", ":", ".", "?"]
+WORDS += [f"{i:02d}" for i in range(60)]
+
+
+def word_backend():
+    """The `tokenizers` Tokenizer: SPECIAL then WORDS, split on whitespace and punctuation."""
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIAL)
+    return backend
+
+
+def word_tokenizer():
+    """The backend as transformers' fast tokenizer with Gemma 4's named special tokens."""
+    named = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>"}
+    named |= {"audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_backend(),
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=named,
+    )
+
+
+def hf_processor(tokenizer, budget, patch_size, video=None):
+    """Gemma4Processor with a real PIL image processor; `video` may be None (torchvision does
+    not import beside this torch): only that argument's class check is skipped then."""
+    image = Gemma4ImageProcessorPil(patch_size=patch_size, max_soft_tokens=budget)
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, name, arg):
+        return None if name == "video_processor" and arg is None else check(self, name, arg)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ProcessorMixin, "check_argument_for_proper_class", lenient)
+        return Gemma4Processor(
+            feature_extractor=Gemma4AudioFeatureExtractor(),
+            image_processor=image,
+            tokenizer=tokenizer,
+            video_processor=video,
+        )
