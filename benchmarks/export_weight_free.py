@@ -57,6 +57,7 @@ from gemma4_configs import CONFIGS  # noqa: E402
 from ref.gemma4.config import VisionConfig  # noqa: E402
 from ref.gemma4.params import EMBED_VISION, text_param_shapes, vision_param_shapes  # noqa: E402
 from ref.gemma4.text_config import TextConfig  # noqa: E402
+from weights import plan_shards  # noqa: E402
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size="5GB"
 GOAL_S = 30.0
@@ -72,20 +73,6 @@ def tensor_shapes(config):
         shapes["model.vision_tower." + name] = shape
     shapes[EMBED_VISION] = (config["text_config"]["hidden_size"], vision.hidden_size)
     return {n: tuple(s) for n, s in sorted(shapes.items())}
-
-
-def plan_shards(shapes):
-    """Greedy in name order, as save_pretrained: a shard closes when the next tensor would
-    overflow it. -> [[name, ...], ...]"""
-    shards, size = [[]], 0
-    for name, shape in shapes.items():
-        nbytes = 2 * math.prod(shape)
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
 
 
 def write_sparse_shard(path, shapes):
@@ -117,7 +104,7 @@ def write_sparse_checkpoint(folder, config):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     shapes = tensor_shapes(config)
-    plan = plan_shards(shapes)
+    plan = plan_shards({n: 2 * math.prod(s) for n, s in shapes.items()}, MAX_SHARD_BYTES)
     weight_map = {}
     for i, names in enumerate(plan):
         shard = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"

@@ -11,14 +11,12 @@ shards. Chunks never split an image run (its first tokens attend to its last one
 longer than the compiled `seq_len` is refused, naming the `seq_len` it needs.
 """
 
-import json
 import os
 import sys
 
 import numpy as np
 
-from codegen.export import MANIFEST
-from codegen.verify import open_session
+from codegen.verify import open_session, read_manifest
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.images import expand_prompt, num_soft_tokens, preprocess, prompt_tokens
 from ref.gemma4.model import chunk_bounds, image_runs
@@ -39,13 +37,9 @@ def _shapes(entry, spec_name):
 class Runner:
     """The export folder's vision, prefill and decode graphs as onnxruntime sessions."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, *, check_shards=True):
         self.folder = os.path.abspath(folder)
-        try:
-            with open(os.path.join(self.folder, MANIFEST)) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            raise RunError(f"{self.folder}: no readable {MANIFEST} ({e})") from e
+        manifest = read_manifest(self.folder, check_shards=check_shards)
         graphs = {g["kind"]: g for g in manifest["graphs"]}
         missing = [k for k in ("prefill", "decode") if k not in graphs]
         if missing:
@@ -275,7 +269,9 @@ def _photo_prompt(args, runner):
 def main(args):
     """`python -m codegen run`: prints progress to stderr and each row's ids, comma-separated,
     as the last lines (after each row's text when a tokenizer is at hand)."""
-    runner = Runner(args.out)
+    if args.skip_shard_check:
+        print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
+    runner = Runner(args.out, check_shards=not args.skip_shard_check)
     tokenizer = None
     if args.image or args.prompt is not None:
         if args.patches or len(args.prompt_ids or []) > 1:

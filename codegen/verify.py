@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from codegen import attention_graph, external, graphs, model_graphs, vision_graph
 from codegen.export import MANIFEST
+from codegen.integrity import check_folder
 from weights import open_checkpoint
 
 RTOL = 1e-5  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation across a few layers
@@ -84,15 +85,23 @@ def open_session(entry, folder, checkpoint):
         os.remove(bound)
 
 
-def verify(folder, *, seed=0):
-    """Rows (graph, specialization, output, max abs error, relative error, ok) for every graph,
-    specialization and output of the export in `folder`."""
-    folder = os.path.abspath(folder)
+def read_manifest(folder, *, check_shards=True):
+    """The folder's manifest.json, after `codegen.integrity.check_folder` unless told not to."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise VerifyError(f"{folder}: no readable {MANIFEST} ({e})") from e
+    if check_shards:
+        check_folder(folder, manifest)
+    return manifest
+
+
+def verify(folder, *, seed=0, check_shards=True):
+    """Rows (graph, specialization, output, max abs error, relative error, ok) for every graph,
+    specialization and output of the export in `folder` (checked first: `read_manifest`)."""
+    folder = os.path.abspath(folder)
+    manifest = read_manifest(folder, check_shards=check_shards)
     checkpoint = open_checkpoint(folder)
     rows = []
     for entry in manifest["graphs"]:

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ref import validate
 from ref.blocking import BlockingConfig
 
 
@@ -141,9 +142,18 @@ def reference(
     q: [B, H, S, D]; k, v: [B, Hkv, T, D]; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T]
     (int, −1 = padding / text) → [B, H, S, D]. See `mask` for which keys a query sees.
     """
+    _check_values(q, k, v, q_pos, kv_pos)
     _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=False)
     m = mask(q_pos, kv_pos, sliding_window=sliding_window, q_group=q_group, kv_group=kv_group)
     return attend(q, k, v, m, scale=scale, softcap=softcap)
+
+
+def _check_values(q, k, v, q_pos, kv_pos):
+    """Eager calls only (traced values pass): finite q, k, v; positions ≥ −1."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        validate.finite(name, x)
+    validate.positions("q_pos", q_pos)
+    validate.positions("kv_pos", kv_pos)
 
 
 def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, fold):
@@ -316,6 +326,7 @@ def blocked(
     fold = config.batch_fold
     if fold and k.shape[0] != 1:
         raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D], got k {k.shape}")
+    _check_values(q, k, v, q_pos, kv_pos)
     _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=fold)
     hkv = k.shape[1] // b if fold else k.shape[1]
     if fold and k.shape[1] != b * hkv:

@@ -9,6 +9,7 @@ from weights.checkpoint import (
     check_shapes,
     load_checkpoint,
     open_checkpoint,
+    plan_shards,
     save_checkpoint,
 )
 from weights.errors import CheckpointError
@@ -33,6 +34,7 @@ __all__ = [
     "load_checkpoint",
     "numpy_dtype",
     "open_checkpoint",
+    "plan_shards",
     "read_header",
     "read_metadata",
     "read_tensor",

@@ -193,24 +193,25 @@ def load_checkpoint(model_dir) -> tuple[dict, dict]:
     return checkpoint.config, checkpoint.tree()
 
 
-def _plan_shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy in name order: a shard closes when the next tensor would overflow it."""
+def plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, as save_pretrained splits them: greedy in name order, a shard
+    closes when the next tensor would overflow it. nbytes: {name: byte size}."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name in sorted(tensors):
-        nbytes = np.asarray(tensors[name]).nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
+    for name in sorted(nbytes):
+        if shards[-1] and size + nbytes[name] > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += nbytes[name]
     return shards
 
 
 def _write_folder(folder: Path, config: dict, tensors: dict, max_shard_bytes) -> None:
     atomic_write(folder / CONFIG, [json.dumps(config, indent=2).encode("utf-8")])
     meta = {"format": "pt"}  # transformers' loader expects it
-    plan = _plan_shards(tensors, max_shard_bytes) if max_shard_bytes else [sorted(tensors)]
+    sizes = {n: np.asarray(t).nbytes for n, t in tensors.items()}
+    plan = plan_shards(sizes, max_shard_bytes) if max_shard_bytes else [sorted(tensors)]
     if len(plan) == 1:
         write_safetensors(folder / SINGLE, tensors, meta)
         return

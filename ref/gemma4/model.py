@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ref import validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig
 from ref.gemma4.images import GEMMA4_TOKENS, expand_prompt, num_soft_tokens, prompt_tokens
@@ -213,6 +214,9 @@ class Gemma4:
             raise ValueError(f"chunk_size={chunk_size!r}: expected None or an int >= 1")
         b, width = ids.shape
         lengths = _lengths(lengths, b, width)
+        validate.token_ids(
+            "input_ids", ids, self.config.vocab_size, valid=np.arange(width) < lengths[:, None]
+        )
         rows = [ids[i, : lengths[i]] for i in range(b)]
         runs = [image_runs(r, self.config.image_token_id) for r in rows]
         vision_embeds = self._vision_rows(runs, images)
@@ -291,6 +295,7 @@ class Gemma4:
             embeds = []
             for start, n in row_runs:
                 img = np.asarray(next(it))
+                validate.finite(f"images[{len(embeds)}] (row {i})", img)
                 if img.shape != (n, self.config.hidden_size):
                     raise ValueError(
                         f"row {i}: the image run at {start} has {n} tokens but its image "

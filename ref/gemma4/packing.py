@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ref import validate
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -124,6 +126,7 @@ def pack_patches(patches, grids, patch_dim, packing):
             raise ValueError(
                 f"patches[{i}] has {shape[0]} patches but grid ({h}, {w}) needs {h * w}"
             )
+        validate.finite(f"patches[{i}]", p)
     flat = np.concatenate([np.asarray(p, np.float32) for p in patches])
     fill = len(packing.segment_ids) - len(flat)
     return np.concatenate([flat, np.zeros((fill, patch_dim), np.float32)])

@@ -16,7 +16,9 @@ from functools import partial
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ref import validate
 from ref.attention import reference
 from ref.gemma4.kv_cache import cache_len, linear_memory, ring_memory, uses_ring
 from ref.gemma4.moe import Experts, Router
@@ -361,4 +363,35 @@ def apply_step(
 
 
 # the compiled step; exporters trace `apply_step` (a jit would cache a trace made without them)
-step = jax.jit(apply_step, static_argnames=("config", "attention", "last_only", "return_hidden"))
+_compiled_step = jax.jit(
+    apply_step, static_argnames=("config", "attention", "last_only", "return_hidden")
+)
+
+
+def check_step_values(config, cache, input_ids, position_ids, vision_embeds, image_idx):
+    """Host checks of a step's concrete inputs (traced ones pass): token ids in [0, vocab)
+    at valid columns, positions in [−1, ctx_len), finite soft tokens, image_idx in [0, V]."""
+    valid = None if isinstance(position_ids, jax.core.Tracer) else np.asarray(position_ids) >= 0
+    validate.token_ids("input_ids", input_ids, config.vocab_size, valid=valid)
+    validate.positions("position_ids", position_ids, cache_len(cache))
+    validate.finite("vision_embeds", vision_embeds)
+    traced = isinstance(image_idx, jax.core.Tracer) or isinstance(vision_embeds, jax.core.Tracer)
+    idx = None if traced or vision_embeds is None else image_idx
+    if idx is not None:
+        size = np.shape(vision_embeds)[1]
+        bad = (np.asarray(idx) < 0) | (np.asarray(idx) > size)
+        if bad.any():
+            row = int(np.argmax(bad.reshape(-1)))
+            raise ValueError(
+                f"image_idx[{row}] = {int(np.asarray(idx).reshape(-1)[row])}: expected the "
+                f"next unread soft token, in [0, vision_size={size}]"
+            )
+
+
+def step(params, lm_head, cache, input_ids, position_ids, vision_embeds=None, image_idx=None, **kw):
+    """`apply_step` compiled (config, attention, last_only, return_hidden static), after
+    `check_step_values` on the concrete inputs; same arguments and result."""
+    check_step_values(kw["config"], cache, input_ids, position_ids, vision_embeds, image_idx)
+    return _compiled_step(
+        params, lm_head, cache, input_ids, position_ids, vision_embeds, image_idx, **kw
+    )

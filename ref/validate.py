@@ -1,0 +1,62 @@
+"""Host-side refusals of bad input at the public entry points, each naming the first bad value.
+
+They read only concrete arrays: under a trace (jit, export) the values are unknown and the
+checks pass through, so compiled and exported code costs nothing for them.
+"""
+
+import jax
+import numpy as np
+
+
+def _host(x):
+    """x as a numpy array, or None when it is absent or traced."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _first(bad):
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+
+
+def finite(name, x):
+    """Raise ValueError at the first NaN or infinity of a float array."""
+    a = _host(x)
+    if a is None or a.dtype.kind not in "fc":
+        return
+    bad = ~np.isfinite(a)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(f"{name}{list(i)} = {a[i]}: expected finite values")
+
+
+def token_ids(name, ids, vocab_size, *, valid=None):
+    """Raise ValueError at the first id outside [0, vocab_size) (where `valid`, if given)."""
+    a = _host(ids)
+    if a is None:
+        return
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} has dtype {a.dtype}: expected integer token ids")
+    bad = (a < 0) | (a >= vocab_size)
+    if valid is not None:
+        bad &= np.asarray(valid, bool)
+    if bad.any():
+        i = _first(bad)
+        raise ValueError(f"{name}{list(i)} = {a[i]}: expected a token id in [0, {vocab_size})")
+
+
+def positions(name, pos, limit=None):
+    """Raise ValueError at the first position below −1 (−1 = padding) or, given `limit`, at or
+    past it (a cache of `limit` slots cannot hold it: its write would be dropped)."""
+    a = _host(pos)
+    if a is None:
+        return
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name} has dtype {a.dtype}: expected integer positions")
+    bad = a < -1
+    if limit is not None:
+        bad |= a >= limit
+    if bad.any():
+        i = _first(bad)
+        upper = "" if limit is None else f" and < {limit} (the cache's slots)"
+        raise ValueError(f"{name}{list(i)} = {a[i]}: expected −1 (padding) or ≥ 0{upper}")
