@@ -250,13 +250,16 @@ def default_soft_tokens(runner):
 def _photo_prompt(args, runner):
     """(prompt ids, images) from --image files and --prompt text or placeholder --prompt-ids."""
     tokens = prompt_tokens(runner.checkpoint.config)
-    cfg = VisionConfig.from_hf(runner.checkpoint.config)
-    budget = args.max_soft_tokens or default_soft_tokens(runner)
     pixels = [read_image(p) for p in args.image]
-    patches, grids = preprocess(
-        pixels, budget, patch_size=cfg.patch_size, pooling_kernel_size=cfg.pooling_kernel_size
-    )
-    counts = num_soft_tokens(grids, cfg.pooling_kernel_size)
+    patches, grids, counts = [], [], []
+    if pixels:
+        cfg = VisionConfig.from_hf(runner.checkpoint.config)
+        k = cfg.pooling_kernel_size
+        budget = args.max_soft_tokens or default_soft_tokens(runner)
+        patches, grids = preprocess(
+            pixels, budget, patch_size=cfg.patch_size, pooling_kernel_size=k
+        )
+        counts = num_soft_tokens(grids, k)
     if args.prompt is not None:
         tokenizer = read_tokenizer(runner.folder)
         text = expand_prompt(args.prompt, counts, tokens=tokens)
