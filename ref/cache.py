@@ -9,6 +9,7 @@ Writes are one scatter into the cache plus a spare slot that takes every −1, t
 back to T: every index is in range, which ScatterND needs (it neither clamps nor drops).
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -102,3 +103,27 @@ def unfold(cache, batch):
     if one != 1 or rows % batch:
         raise ValueError(f"unfold expects [1, B·Hkv, T, D] with B={batch}; got {cache.shape}")
     return cache.reshape(batch, rows // batch, t, d)
+
+
+def take_rows(tree, rows):
+    """Continuous batching's read: every array of `tree` ([F, ...], one row per cache slot)
+    at the step's slots rows [B] int (−1 = no slot: reads slot 0, its result is not kept)
+    → [B, ...]."""
+
+    def take(a):
+        return jnp.take(a, jnp.clip(rows, 0, a.shape[0] - 1), axis=0)
+
+    return jax.tree_util.tree_map(take, tree)
+
+
+def put_rows(tree, new, rows):
+    """Continuous batching's write: `new` ([B, ...] per array) back into `tree`'s slots rows
+    [B] int; a row −1 (or ≥ F) writes nothing; valid rows must be distinct → like `tree`."""
+
+    def put(a, b):
+        f = a.shape[0]
+        spare = jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0)
+        dest = jnp.where((rows >= 0) & (rows < f), rows, f)
+        return spare.at[dest].set(b.astype(a.dtype), mode="promise_in_bounds")[:f]
+
+    return jax.tree_util.tree_map(put, tree, new)

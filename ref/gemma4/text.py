@@ -20,6 +20,7 @@ import numpy as np
 
 from ref import validate
 from ref.attention import reference
+from ref.cache import put_rows, take_rows
 from ref.gemma4.kv_cache import cache_len, linear_memory, ring_memory, uses_ring
 from ref.gemma4.moe import Experts, Router
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
@@ -323,6 +324,7 @@ def apply_step(
     position_ids,
     vision_embeds=None,
     image_idx=None,
+    batch_index=None,
     *,
     config,
     attention=reference,
@@ -336,15 +338,23 @@ def apply_step(
     [B, S] (position −1 = padding column: computes nothing useful, writes nothing);
     vision_embeds: [B, vision_size, D] soft tokens per row (prefill), None to skip the merge
     (decode); image_idx: [B, 1] next unread soft token per row; attention: a function with
-    `ref.attention.reference`'s signature (dense or blocked).
+    `ref.attention.reference`'s signature (dense or blocked); batch_index: None, or [B, 1] int
+    (continuous batching, QEfficient's `batch_index`): the cache holds F ≥ B slots and row b
+    reads and writes slot batch_index[b] only (−1: a free row, whose writes are dropped).
     → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
     last_only), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
     """
+    slots = None if batch_index is None else batch_index[:, 0]
+    full = cache
+    if slots is not None:
+        cache = take_rows(cache, slots)
     check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
     model = TextModel(config).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention
     )
+    if slots is not None:
+        model["cache"] = put_rows(full, model["cache"], slots)
     hidden = model["hidden"]
     if last_only:
         last = jnp.argmax(position_ids, axis=1)[:, None, None]
@@ -388,10 +398,40 @@ def check_step_values(config, cache, input_ids, position_ids, vision_embeds, ima
             )
 
 
-def step(params, lm_head, cache, input_ids, position_ids, vision_embeds=None, image_idx=None, **kw):
+def step(
+    params,
+    lm_head,
+    cache,
+    input_ids,
+    position_ids,
+    vision_embeds=None,
+    image_idx=None,
+    batch_index=None,
+    **kw,
+):
     """`apply_step` compiled (config, attention, last_only, return_hidden static), after
-    `check_step_values` on the concrete inputs; same arguments and result."""
+    `check_step_values` and `check_batch_index` on the concrete inputs; same arguments and
+    result."""
+    check_batch_index(cache, input_ids, batch_index)
     check_step_values(kw["config"], cache, input_ids, position_ids, vision_embeds, image_idx)
     return _compiled_step(
-        params, lm_head, cache, input_ids, position_ids, vision_embeds, image_idx, **kw
+        params, lm_head, cache, input_ids, position_ids, vision_embeds, image_idx, batch_index, **kw
     )
+
+
+def check_batch_index(cache, input_ids, batch_index):
+    """batch_index [B, 1] int with distinct slots in [0, F) (or −1) for a cache of F slots."""
+    if batch_index is None or isinstance(batch_index, jax.core.Tracer):
+        return
+    idx = np.asarray(batch_index)
+    slots = next(iter(cache["k"].values())).shape[0]
+    b = np.shape(input_ids)[0]
+    if idx.shape != (b, 1) or idx.dtype.kind not in "iu":
+        raise ValueError(f"batch_index {idx.shape} {idx.dtype}: expected [batch={b}, 1] ints")
+    valid = idx[:, 0][idx[:, 0] >= 0]
+    bad = (idx[:, 0] < -1) | (idx[:, 0] >= slots)
+    if bad.any() or len(set(valid.tolist())) != len(valid):
+        raise ValueError(
+            f"batch_index {idx[:, 0].tolist()}: expected distinct cache slots in [0, {slots}) "
+            "(or −1 for a free row)"
+        )
