@@ -1,4 +1,4 @@
-"""`python -m codegen export|run|verify`: the command line (see `--help` of each)."""
+"""`python -m codegen export|run|verify|vectors|plan`: the command line (see `--help` of each)."""
 
 import argparse
 import sys
@@ -130,6 +130,12 @@ def parser():
         metavar="MODE[:opt=v,...]",
         help="the decode graph's attention: none (dense, the default) or a mode such as kv, "
         "hqkv, bhqkv, kv_headpar with its options (left out: the mode's defaults)",
+    )
+    e.add_argument(
+        "--full-batch-size",
+        type=int,
+        help="continuous batching (QEfficient's): the KV cache holds N request slots, prefill "
+        "and decode take batch_index, decode runs over all N slots",
     )
     e.add_argument(
         "--sliding-ring",
@@ -269,6 +275,23 @@ def parser():
         help="do not check the shards' sizes, sha256 and byte ranges against manifest.json "
         "(a shard changed after export then goes unnoticed)",
     )
+    sv = sub.add_parser(
+        "serve", help="continuous batching of requests over an export with --full-batch-size"
+    )
+    sv.add_argument("out", type=Path, help="an export folder (written with --full-batch-size)")
+    sv.add_argument(
+        "--requests",
+        type=Path,
+        required=True,
+        metavar="FILE.jsonl",
+        help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images}, "
+        "max_new_tokens (16), arrival (the step it joins at, 0)",
+    )
+    sv.add_argument(
+        "--skip-shard-check",
+        action="store_true",
+        help="do not check the shards against manifest.json",
+    )
     v = sub.add_parser("verify", help="onnxruntime vs ref on every graph and specialization")
     v.add_argument("out", type=Path, help="an export folder")
     v.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
@@ -277,7 +300,74 @@ def parser():
         action="store_true",
         help="do not check the shards' sizes, sha256 and byte ranges against manifest.json",
     )
+    _kit_parsers(sub)
     return p
+
+
+def _kit_parsers(sub):
+    """`vectors` and `plan`: the kernel author's kit (codegen/vectors.py, codegen/plan.py)."""
+    from codegen.vectors import ATTENTION_MODES, OPS
+
+    def common(q, ops):
+        q.add_argument("--op", choices=ops, default="attention", help="the op (attention)")
+        q.add_argument(
+            "--mode",
+            metavar="MODE",
+            help=f"attention only: {', '.join(ATTENTION_MODES)} (default dense); block counts "
+            "left out take codegen.graphs.DEFAULT_BLOCKING's",
+        )
+        q.add_argument(
+            "--opt",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="an option of the op (repeatable): sizes, mask (q_start, sliding_window, "
+            "vision, softcap, scale), any BlockingConfig field; see docs/blocking.md",
+        )
+        for name in ("batch", "heads", "kv_heads", "seq", "ctx", "head_dim"):
+            flag = "--" + name.replace("_", "-")
+            q.add_argument(flag, dest=f"size_{name}", metavar="N", help=f"same as --opt {name}=N")
+
+    vec = sub.add_parser("vectors", help="golden vectors of one op (safetensors + JSON)")
+    common(vec, OPS)
+    vec.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    vec.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
+    vec.add_argument("--fp16", action="store_true", help="add float16 inputs and out_f16")
+    vec.add_argument("--bf16", action="store_true", help="add bfloat16 inputs and out_bf16")
+    pl = sub.add_parser("plan", help="one attention mode's schedule: cost table and picture")
+    common(pl, ("attention",))
+    pl.add_argument("--png", type=Path, help="draw the schedule to this PNG file")
+    pl.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="q/k/v/o precision for the byte counts (default float16)",
+    )
+
+
+def _run_kit(args):
+    """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
+    from codegen import plan, vectors
+
+    sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
+    try:
+        given = vectors.parse_pairs(args.opt + [f"{k}={v}" for k, v in sizes])
+        if args.command == "vectors":
+            low = [p for p, on in (("float16", args.fp16), ("bfloat16", args.bf16)) if on]
+            meta = vectors.write(args.out, args.op, args.mode, given, seed=args.seed, low=low)
+            print(vectors.summary(meta))
+            print(f"wrote {args.out / 'vectors.safetensors'} and {args.out / 'vectors.json'}")
+            return 0
+        mode, options = vectors.resolve(args.op, args.mode, given)
+        result = plan.report(mode, options, args.dtype)
+        print(result["table"])
+        if args.png is not None:
+            info = plan.draw(args.png, result, options)
+            print(f"wrote {args.png} ({info['tiles']} of {info['tiles_total']} tiles drawn)")
+    except ValueError as e:
+        print(f"python -m codegen {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _run_verify(folder, seed, check_shards=True):
@@ -301,15 +391,21 @@ def main(argv=None):
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad option already reported in one line
         return e.code
+    if args.command in ("vectors", "plan"):
+        return _run_kit(args)
     from codegen.export import ExportOptions, export, summary
 
     try:
         if args.command == "verify":
             return _run_verify(args.out, args.seed, not args.skip_shard_check)
         if args.command == "run":
-            from codegen.runtime import main as run_main
+            from codegen.inputs import main as run_main
 
             return run_main(args)
+        if args.command == "serve":
+            from codegen.inputs import serve_main
+
+            return serve_main(args)
         blocking = tuple(x for group in (args.blocking or [_blocking("all")]) for x in group)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
         opts = ExportOptions(blocking=blocking, **fields)

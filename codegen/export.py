@@ -49,6 +49,7 @@ class ExportOptions:
     prefill_blocking: tuple = ("none", {})  # (mode, {option: value})
     decode_blocking: tuple = ("none", {})
     sliding_ring: bool = False
+    full_batch_size: int | None = None
     blocking: tuple = ()  # attention graphs: ((mode, {option: value}), ...)
     attention_layers: int | None = None
     batch_size: int = 1
@@ -79,6 +80,11 @@ class ExportOptions:
         for name in ("batch_size", "seq_len", "ctx_len", "num_cores"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.full_batch_size is not None and self.full_batch_size < self.batch_size:
+            raise ExportError(
+                f"--full-batch-size {self.full_batch_size}: must be >= --batch-size "
+                f"{self.batch_size} (the cache slots the prefill rows write into)"
+            )
         if self.attention_layers is not None and self.attention_layers < 1:
             raise ExportError(f"--attention-layers {self.attention_layers}: must be >= 1")
         unknown = set(self.graphs) - {"model", "attention"}
@@ -123,6 +129,7 @@ def plan(checkpoint, opts):
                     ctx_len=opts.ctx_len,
                     budgets=opts.budgets,
                     sliding_ring=opts.sliding_ring,
+                    full_batch_size=opts.full_batch_size,
                     use_functions=opts.sub_functions,
                 )
             )

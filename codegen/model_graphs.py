@@ -99,12 +99,12 @@ def cache_owners(cfg):
     return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
 
 
-def _cache_tensors(cfg, ring, ctx_len):
+def _cache_tensors(cfg, ring, ctx_len, rows="batch_size"):
     window = min(cfg.sliding_window, ctx_len)
     out = []
     for i in cache_owners(cfg):
         slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"
-        shape = ("batch_size", cfg.kv_heads[i], slots, cfg.head_dims[i])
+        shape = (rows, cfg.kv_heads[i], slots, cfg.head_dims[i])
         out += [Tensor(f"past_{kind}.{i}", shape, "float32") for kind in ("key", "value")]
     return tuple(out)
 
@@ -149,6 +149,9 @@ def _sample(cfg, vision, cache_in, symbols, rng):
             image_idx[r, 0] = rng.integers(0, v - (hi - lo) + 1)
         feed["vision_embeds"] = rng.standard_normal((b, v, cfg.hidden_size), dtype=np.float32)
         feed["image_idx"] = image_idx
+    if "full_batch_size" in symbols:
+        slots = rng.permutation(symbols["full_batch_size"])[:b].astype(np.int32)
+        feed["batch_index"] = slots[:, None]
     for tensor in cache_in:
         feed[tensor.name] = rng.standard_normal(tensor.concrete(symbols), dtype=np.float32)
     return feed
@@ -166,6 +169,7 @@ def model_graph(
     ctx_len,
     budgets=(),
     sliding_ring=False,
+    full_batch_size=None,
     use_functions=True,
 ):
     """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
@@ -173,7 +177,17 @@ def model_graph(
 
     Traced at (batch_size, seq_len, ctx_len): block bounds are compile-time constants;
     `vision_size` stays symbolic. mode/options: the phase's blocking (see `phase_blocking`).
+    full_batch_size: continuous batching (QEfficient's): the cache holds that many slots, both
+    graphs take `batch_index` [batch_size, 1] (each row's slot), and decode runs over every
+    slot (its batch_size is full_batch_size).
     """
+    if full_batch_size is not None:
+        if full_batch_size < batch_size:
+            raise GraphError(
+                f"full_batch_size {full_batch_size} must be >= batch_size {batch_size}"
+            )
+        if phase == "decode":
+            batch_size = full_batch_size
     cfg = text_config(checkpoint_config)
     if cfg is None:
         raise GraphError("no text_config: a vision-only checkpoint has no language graphs")
@@ -218,7 +232,10 @@ def model_graph(
             Tensor("vision_embeds", ("batch_size", "vision_size", cfg.hidden_size), "float32"),
             Tensor("image_idx", ("batch_size", 1), "int32"),
         )
-    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len)
+    if full_batch_size is not None:
+        ids += (Tensor("batch_index", ("batch_size", 1), "int32"),)
+    rows = "batch_size" if full_batch_size is None else "full_batch_size"
+    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len, rows)
     outputs = (Tensor("logits", ("batch_size", 1, cfg.vocab_size), "float32"),)
     if vision:
         outputs += (Tensor("image_idx_output", ("batch_size", 1), "int32"),)
@@ -239,7 +256,8 @@ def model_graph(
                 "k": {str(i): caches[2 * j] for j, i in enumerate(owners)},
                 "v": {str(i): caches[2 * j + 1] for j, i in enumerate(owners)},
             }
-            vision_args = head[2:] if vision else (None, None)
+            vision_args = head[2:4] if vision else (None, None)
+            batch_index = head[-1] if full_batch_size is not None else None
             kind = lambda module: kinds[module.layer]  # noqa: E731
             with nn.intercept_methods(route_layers(T.DecoderLayer, routed, kind)):
                 out = T.apply_step(
@@ -249,6 +267,7 @@ def model_graph(
                     head[0],
                     head[1],
                     *vision_args,
+                    batch_index,
                     config=cfg,
                     attention=attention,
                     last_only=True,
@@ -272,6 +291,8 @@ def model_graph(
         return {t.name: np.asarray(x) for t, x in zip(outputs, out, strict=True)}
 
     base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
+    if full_batch_size is not None:
+        base["full_batch_size"] = full_batch_size
     if vision:
         specs = tuple(
             {"name": f"prefill_{b}", "symbols": {**base, "vision_size": b}} for b in budgets
@@ -290,6 +311,7 @@ def model_graph(
             "ctx_len": ctx_len,
             "budgets": list(budgets) if vision else [],
             "sliding_ring": sliding_ring,
+            "full_batch_size": full_batch_size,
             "layer_functions": sorted(set(kinds)),
         },
         inputs=ids + cache_in,

@@ -11,14 +11,13 @@ shards. Chunks never split an image run (its first tokens attend to its last one
 longer than the compiled `seq_len` is refused, naming the `seq_len` it needs.
 """
 
+import dataclasses
 import os
-import sys
 
 import numpy as np
 
 from codegen.verify import open_session, read_manifest
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.images import expand_prompt, num_soft_tokens, preprocess, prompt_tokens
 from ref.gemma4.model import chunk_bounds, image_runs
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.text_config import TextConfig
@@ -32,6 +31,24 @@ class RunError(ValueError):
 def _shapes(entry, spec_name):
     """{input name: concrete shape} of a manifest graph entry at one specialization."""
     return {t["name"]: tuple(t["shapes"][spec_name]) for t in entry["inputs"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
+    order, how many tokens to generate, and the step at which it arrives."""
+
+    ids: np.ndarray
+    images: list
+    max_new_tokens: int
+    arrival: int = 0
+
+
+def _slot_column(slots, rows):
+    """[rows, 1] int32 batch_index: the given slots, −1 for the rows past them."""
+    column = np.full((rows, 1), -1, np.int32)
+    column[: len(slots), 0] = slots
+    return column
 
 
 class Runner:
@@ -57,19 +74,90 @@ class Runner:
         o = graphs["prefill"]["options"]
         self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
         self.budgets = sorted(o["budgets"])
+        self.slots = o.get("full_batch_size")  # continuous batching: the cache's slots
 
     def generate(self, prompts, images=(), *, max_new_tokens, log=None):
         """Greedy tokens [len(prompts), max_new_tokens].
 
         prompts: token-id sequences, each image already a run of image tokens (at most the
-        compiled batch_size rows); images: (patches [h·w, 3·p·p] in [0, 1], (h, w)) per image
-        run, in order of appearance, row by row.
+        compiled batch_size rows, or full_batch_size with continuous batching); images:
+        (patches [h·w, 3·p·p] in [0, 1], (h, w)) per image run, in order of appearance, row by
+        row.
         """
         log = log or (lambda msg: None)
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         self._check(rows, max_new_tokens)
+        if self.slots is not None:
+            it = iter(images)
+            requests = [
+                Request(
+                    r, [next(it) for _ in image_runs(r, self.text.image_token_id)], max_new_tokens
+                )
+                for r in rows
+            ]
+            return np.stack(self.serve(requests, log=log)[0])
+        caches = self._empty_caches("prefill")
+        caches, token = self._prefill(rows, list(images), caches, None, log)
+        tokens = [token]
+        position = np.array([len(r) for r in rows], np.int32)
+        for n in range(max_new_tokens - 1):
+            caches, token = self._decode(caches, token, position, None)
+            tokens.append(token)
+            position = position + 1
+            log(f"decode step {n + 2}/{max_new_tokens}")
+        return np.stack(tokens, axis=1)
+
+    def serve(self, requests, *, log=None):
+        """Continuous batching over the exported slots (an export with --full-batch-size):
+        requests join free slots at their arrival step (prefilled in groups of batch_size),
+        every occupied slot decodes together, each leaves at its own length.
+        → (tokens per request, timeline: one line per step)."""
+        log = log or (lambda msg: None)
+        if self.slots is None:
+            raise RunError(f"{self.folder}: serving needs an export with --full-batch-size")
+        for i, r in enumerate(requests):
+            self._check([r.ids], r.max_new_tokens, what=f"request {i}")
+        caches = self._empty_caches("decode")
+        waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
+        position, last = {}, np.zeros(self.slots, np.int32)
+        t = 0
+        while waiting or slot_of:
+            events = []
+            ready = [r for r in waiting if requests[r].arrival <= t]
+            free = [s for s in range(self.slots) if s not in slot_of.values()]
+            joining = ready[: len(free)]
+            for k in range(0, len(joining), self.batch):
+                group = joining[k : k + self.batch]
+                slots = free[k : k + len(group)]
+                rows = [requests[r].ids for r in group]
+                images = [img for r in group for img in requests[r].images]
+                caches, first = self._prefill(rows, images, caches, slots, log)
+                for r, s, token in zip(group, slots, first, strict=True):
+                    waiting.remove(r)
+                    slot_of[r], last[s], tokens[r] = s, token, [int(token)]
+                    position[r] = len(requests[r].ids)
+                    events.append(f"request {r} joins slot {s}")
+            for r in [r for r in slot_of if len(tokens[r]) == requests[r].max_new_tokens]:
+                events.append(f"request {r} leaves slot {slot_of.pop(r)}")
+            if slot_of:
+                pos = np.full(self.slots, -1, np.int32)
+                for r, s in slot_of.items():
+                    pos[s] = position[r]
+                    position[r] += 1
+                caches, last = self._decode(caches, last, pos, np.arange(self.slots))
+                for r, s in slot_of.items():
+                    tokens[r].append(int(last[s]))
+                events.append(f"decode slots {sorted(slot_of.values())}")
+            timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
+            log(timeline[-1])
+            t += 1
+        return [np.array(tokens[r]) for r in range(len(requests))], timeline
+
+    def _prefill(self, rows, images, caches, slots, log):
+        """Chunked prefill of rows (≤ batch_size) into their cache rows, or into `slots` with
+        continuous batching → (caches, each row's first generated token)."""
         runs = [image_runs(r, self.text.image_token_id) for r in rows]
-        vision_embeds = self._vision(rows, runs, list(images), log)
+        vision_embeds = self._vision(rows, runs, images, log)
         schedule = [chunk_bounds(len(row), runs[i], self.seq_len) for i, row in enumerate(rows)]
         for i, row_runs in enumerate(runs):
             for start, n in row_runs:
@@ -79,7 +167,6 @@ class Runner:
                         f"holds seq_len={self.seq_len}: export with --seq-len {n} or more "
                         "(a chunk must not split an image run)"
                     )
-        caches = self._empty_caches("prefill")
         image_idx = np.zeros((self.batch, 1), np.int32)
         last = [None] * len(rows)
         chunks = max(len(s) for s in schedule)
@@ -93,6 +180,8 @@ class Runner:
             feed = {"input_ids": ids, "position_ids": pos, **caches}
             if vision_embeds is not None:
                 feed.update(vision_embeds=vision_embeds, image_idx=image_idx)
+            if slots is not None:
+                feed["batch_index"] = _slot_column(slots, self.batch)
             out = self._run("prefill", feed)
             caches = self._retained(out, caches)
             image_idx = out.get("image_idx_output", image_idx)
@@ -100,38 +189,41 @@ class Runner:
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
             log(f"prefill chunk {k + 1}/{chunks}")
-        token = np.argmax(np.stack(last), axis=-1).astype(np.int32)
-        tokens = [token]
-        position = np.array([len(r) for r in rows], np.int32)
-        for n in range(max_new_tokens - 1):
-            ids = np.zeros((self.batch, 1), np.int32)
-            pos = np.full((self.batch, 1), -1, np.int32)
-            ids[: len(rows), 0], pos[: len(rows), 0] = token, position
-            out = self._run("decode", {"input_ids": ids, "position_ids": pos, **caches})
-            caches = self._retained(out, caches)
-            token = np.argmax(out["logits"][: len(rows), 0], axis=-1).astype(np.int32)
-            tokens.append(token)
-            position = position + 1
-            log(f"decode step {n + 2}/{max_new_tokens}")
-        return np.stack(tokens, axis=1)
+        return caches, np.argmax(np.stack(last), axis=-1).astype(np.int32)
 
-    def _check(self, rows, max_new_tokens):
-        if not 1 <= len(rows) <= self.batch:
-            raise RunError(f"{len(rows)} prompts: the graphs take 1 to batch_size={self.batch}")
+    def _decode(self, caches, token, position, slots):
+        """One decode step of every row (position −1: a free row) → (caches, next tokens)."""
+        n = len(token)
+        rows = self.batch if self.slots is None else self.slots
+        ids = np.zeros((rows, 1), np.int32)
+        pos = np.full((rows, 1), -1, np.int32)
+        ids[:n, 0], pos[:n, 0] = token, position
+        feed = {"input_ids": ids, "position_ids": pos, **caches}
+        if slots is not None:
+            feed["batch_index"] = _slot_column(slots, rows)
+        out = self._run("decode", feed)
+        next_token = np.argmax(out["logits"][:n, 0], axis=-1).astype(np.int32)
+        return self._retained(out, caches), next_token
+
+    def _check(self, rows, max_new_tokens, what="row"):
+        most = self.batch if self.slots is None else self.slots
+        if not 1 <= len(rows) <= most:
+            raise RunError(f"{len(rows)} prompts: the graphs take 1 to batch_size={most}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RunError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
         for i, r in enumerate(rows):
+            name = what if what != "row" else f"row {i}"
             if len(r) == 0:
-                raise RunError(f"row {i}: empty prompt")
+                raise RunError(f"{name}: empty prompt")
             bad = np.flatnonzero((r < 0) | (r >= self.text.vocab_size))
             if bad.size:
                 raise RunError(
-                    f"row {i}: token id {int(r[bad[0]])} at {int(bad[0])} is outside "
+                    f"{name}: token id {int(r[bad[0]])} at {int(bad[0])} is outside "
                     f"[0, vocab_size={self.text.vocab_size})"
                 )
             if len(r) + max_new_tokens > self.ctx_len:
                 raise RunError(
-                    f"row {i}: {len(r)} prompt tokens + max_new_tokens={max_new_tokens} exceed "
+                    f"{name}: {len(r)} prompt tokens + max_new_tokens={max_new_tokens} exceed "
                     f"ctx_len={self.ctx_len}"
                 )
 
@@ -207,100 +299,3 @@ class Runner:
     @staticmethod
     def _retained(out, caches):
         return {n: out[n + "_RetainedState"] for n in caches}
-
-
-def read_image(path):
-    """An image file as [H, W, 3|4] or [H, W] uint8 (what `ref.gemma4.images` takes): RGB, RGBA
-    and grayscale as stored, other modes (palette, CMYK, 16-bit) converted by Pillow."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            if img.mode not in ("RGB", "RGBA", "L"):
-                alpha = img.mode in ("LA", "PA") or "transparency" in img.info
-                img = img.convert("RGBA" if alpha else "RGB")
-            return np.asarray(img)
-    except (OSError, UnidentifiedImageError) as e:
-        raise RunError(f"--image {path}: {e}") from e
-
-
-def read_tokenizer(folder):
-    """The export folder's tokenizer.json (copied from the checkpoint) as a `tokenizers`
-    Tokenizer."""
-    from tokenizers import Tokenizer
-
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise RunError(
-            f"--prompt needs {path}: export from a checkpoint folder holding tokenizer.json, "
-            "or pass --prompt-ids"
-        )
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # the tokenizers library raises its own exception types
-        raise RunError(f"{path}: not a readable tokenizer.json ({e})") from e
-
-
-def default_soft_tokens(runner):
-    """The largest exported budget whose image run fits one prefill chunk (else the least)."""
-    fits = [b for b in runner.budgets if b <= runner.seq_len]
-    return max(fits) if fits else min(runner.budgets, default=70)
-
-
-def _photo_prompt(args, runner):
-    """(prompt ids, images) from --image files and --prompt text or placeholder --prompt-ids."""
-    tokens = prompt_tokens(runner.checkpoint.config)
-    pixels = [read_image(p) for p in args.image]
-    patches, grids, counts = [], [], []
-    if pixels:
-        cfg = VisionConfig.from_hf(runner.checkpoint.config)
-        k = cfg.pooling_kernel_size
-        budget = args.max_soft_tokens or default_soft_tokens(runner)
-        patches, grids = preprocess(
-            pixels, budget, patch_size=cfg.patch_size, pooling_kernel_size=k
-        )
-        counts = num_soft_tokens(grids, k)
-    if args.prompt is not None:
-        tokenizer = read_tokenizer(runner.folder)
-        text = expand_prompt(args.prompt, counts, tokens=tokens)
-        rows = [np.asarray(tokenizer.encode(text).ids)]
-    else:
-        rows = [expand_prompt(args.prompt_ids[0], counts, tokens=tokens)]
-    return rows, list(zip(patches, grids, strict=True)), tokenizer if args.prompt else None
-
-
-def main(args):
-    """`python -m codegen run`: prints progress to stderr and each row's ids, comma-separated,
-    as the last lines (after each row's text when a tokenizer is at hand)."""
-    if args.skip_shard_check:
-        print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
-    runner = Runner(args.out, check_shards=not args.skip_shard_check)
-    tokenizer = None
-    if args.image or args.prompt is not None:
-        if args.patches or len(args.prompt_ids or []) > 1:
-            raise RunError("--image/--prompt take one prompt row, without --patches")
-        if args.prompt is None and not args.prompt_ids:
-            raise RunError("--image needs --prompt TEXT or --prompt-ids with image placeholders")
-        rows, images, tokenizer = _photo_prompt(args, runner)
-    else:
-        if not args.prompt_ids:
-            raise RunError("give --prompt-ids (or --prompt, or --image with a prompt)")
-        if len(args.patches) != len(args.grid):
-            raise RunError(
-                f"{len(args.patches)} --patches but {len(args.grid)} --grid: one pair each"
-            )
-        images = []
-        for path, grid in zip(args.patches, args.grid, strict=True):
-            try:
-                patches = np.load(path)
-            except (OSError, ValueError) as e:
-                raise RunError(f"--patches {path}: {e}") from e
-            images.append((np.asarray(patches, np.float32), grid))
-        rows = args.prompt_ids
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    tokens = runner.generate(rows, images, max_new_tokens=args.max_new_tokens, log=log)
-    for row in tokens:
-        if tokenizer is not None:
-            print(tokenizer.decode([int(t) for t in row], skip_special_tokens=False))
-        print(",".join(str(int(t)) for t in row))
-    return 0

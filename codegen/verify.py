@@ -59,6 +59,7 @@ def rebuild(entry, checkpoint):
             ctx_len=o["ctx_len"],
             budgets=o["budgets"],
             sliding_ring=o["sliding_ring"],
+            full_batch_size=o.get("full_batch_size"),
             use_functions=False,
         )
     raise VerifyError(f"graph {entry['name']!r} has unknown kind {entry['kind']!r}")

@@ -1,0 +1,478 @@
+"""The schedule of one blocked-attention mode, as a kernel author reads it: tiles, order, costs.
+
+`python -m codegen plan --op attention --mode M [--opt k=v ...] [--batch B --heads H
+--kv-heads HKV --seq S --ctx T --head-dim D] [--png FILE]` prints, per KV loop and in total,
+the matmul FLOPs, exps, bytes moved and peak working memory beside dense attention, and draws
+the mask, the tiles (computed / computed but fully masked / skipped), their order and how
+partial results combine.
+
+The blocks are `ref.blocking.BlockingConfig(...).plan(...)`'s; what is walked here is the loop
+nest of `ref.attention._blocked` (batch block → head block → query-head range → query block →
+KV block → pieces), and the pieces of a head-parallel block are `ref.blocking.ranges` of it.
+
+Cost model (one definition, used for dense too). A loop is one query block of one head range:
+rows = batch rows × kv heads × query heads per kv head × queries. Per tile that is not skipped,
+`n = rows × keys` scores: QK^T and PV are 2·n·D FLOPs each, and `exp(S − m)` is n exps; the
+online update adds one exp per row for each tile after the loop's first computed one, a merge
+one per row per merged piece. Bytes: each loop loads its q tile and stores its output once
+(rows × D each), and every tile not skipped loads its K and V (batch rows × kv heads × keys × D
+each), at the tensors' item size. Peak working memory: float32 scores of the tiles live at once
+plus float32 states (m, l, O: rows × (D + 2)): one state for the sequential recurrence; for a
+head-parallel loop every piece's state stays live until the one merge, and the pieces of a
+block run at once. Loops run one after another, so the total peak is the largest loop's.
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+
+from codegen.vectors import attention_mask, attention_positions, attention_sizes, blocking_config
+from ref.blocking import Plan, ranges
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+_ALL_ROWS, _SOME_ROWS, _PADDING = "#6baed6", "#c6dbef", "#e0e0e0"
+_STATUS_COLORS = {"computed": "none", "empty": "#fdae6b", "skipped": "#bdbdbd"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One KV block of one loop. Ranges are half-open `(start, end)`.
+
+    order: 1-based place in the schedule; loop: the loop it belongs to; step: its KV block's
+    index in the loop; batch, kv_heads, reps, q, kv: the block's rows (with batch_fold:
+    batch (0, 1) and kv_heads the folded rows b·Hkv + j); pieces: slots computed independently
+    (one piece unless head-parallel); rows: batch rows whose mask applies; status: computed,
+    empty (computed, nothing visible), skipped (nothing visible, skip_kv).
+    """
+
+    order: int
+    loop: int
+    step: int
+    batch: tuple
+    kv_heads: tuple
+    reps: tuple
+    q: tuple
+    kv: tuple
+    pieces: tuple
+    rows: tuple
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Counts of one loop, or of a whole schedule (peak: the largest loop's)."""
+
+    computed: int = 0
+    empty: int = 0
+    skipped: int = 0
+    qk_flops: int = 0
+    pv_flops: int = 0
+    exps: int = 0
+    bytes: int = 0
+    peak: int = 0
+
+    def __add__(self, other):
+        fields = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in _SUMMED}
+        return Cost(**fields, peak=max(self.peak, other.peak))
+
+
+_SUMMED = [f for f in dataclasses.fields(Cost) if f.name != "peak"]
+
+
+def dense_plan(batch, heads, kv_heads, queries, cache_len):
+    """Dense attention as a plan of one tile: all batch rows, heads, queries and slots."""
+    group = heads // kv_heads
+    return Plan(
+        batch=((0, batch),),
+        heads=((0, kv_heads, ((0, group),)),),
+        q=((0, queries),),
+        kv=((0, cache_len),),
+        split=1,
+        parallel=False,
+        skip_kv=False,
+        batch_fold=False,
+    )
+
+
+def make_plan(mode, options):
+    """The plan of an attention mode for resolved options (`codegen.vectors.resolve`)."""
+    b, h, hkv, s, t, _ = attention_sizes(options)
+    config = blocking_config(mode, options)
+    if config is None:
+        return dense_plan(b, h, hkv, s, t)
+    return config.plan(b, h, hkv, s, t, num_devices=jax.local_device_count())
+
+
+def _mask_rows(plan, batch, kv_heads, hkv):
+    """Batch rows whose mask a block uses: its batch rows, or with batch_fold the rows b of
+    its folded kv rows b·Hkv + j."""
+    if plan.batch_fold:
+        return kv_heads[0] // hkv, (kv_heads[1] - 1) // hkv + 1
+    return batch
+
+
+def schedule(plan, visible, hkv):
+    """Every tile of `plan` in execution order. visible: [B, S, T] bool (ref's mask);
+    hkv: unfolded kv heads. → tuple of Tile."""
+    tiles, loop = [], 0
+    for batch in plan.batch:
+        for j0, j1, reps in plan.heads:
+            rows = _mask_rows(plan, batch, (j0, j1), hkv)
+            for rep in reps:
+                for q0, q1 in plan.q:
+                    for step, (t0, t1) in enumerate(plan.kv):
+                        cut = ranges(t1 - t0, plan.split) if plan.parallel else ((0, t1 - t0),)
+                        seen = visible[rows[0] : rows[1], q0:q1, t0:t1].any()
+                        status = "computed" if seen else "skipped" if plan.skip_kv else "empty"
+                        tiles.append(
+                            Tile(
+                                order=len(tiles) + 1,
+                                loop=loop,
+                                step=step,
+                                batch=batch,
+                                kv_heads=(j0, j1),
+                                reps=rep,
+                                q=(q0, q1),
+                                kv=(t0, t1),
+                                pieces=tuple((t0 + a, t0 + c) for a, c in cut),
+                                rows=rows,
+                                status=status,
+                            )
+                        )
+                    loop += 1
+    return tuple(tiles)
+
+
+def _span(r):
+    return r[1] - r[0]
+
+
+def loop_cost(tiles, parallel, head_dim, itemsize):
+    """Cost of one loop's tiles (see the module docstring for the model) → Cost."""
+    first = tiles[0]
+    heads = _span(first.batch) * _span(first.kv_heads)
+    rows = heads * _span(first.reps) * _span(first.q)
+    state = rows * (head_dim + 2)
+    work = [t for t in tiles if t.status != "skipped"]
+    scores = sum(rows * _span(t.kv) for t in work)
+    pieces = sum(len(t.pieces) for t in work)
+    if parallel:
+        combine = rows * pieces if pieces > 1 else 0
+        live, peak = 0, state
+        for t in work:
+            live += len(t.pieces)
+            peak = max(peak, rows * _span(t.kv) + live * state)
+    else:
+        combine = rows * (len(work) - 1) if work else 0
+        peak = max([state] + [rows * _span(t.kv) + state for t in work])
+    kv_bytes = sum(2 * heads * _span(t.kv) * head_dim for t in work)
+    return Cost(
+        computed=sum(t.status == "computed" for t in tiles),
+        empty=sum(t.status == "empty" for t in tiles),
+        skipped=len(tiles) - len(work),
+        qk_flops=2 * scores * head_dim,
+        pv_flops=2 * scores * head_dim,
+        exps=scores + combine,
+        bytes=itemsize * (2 * rows * head_dim + kv_bytes),
+        peak=4 * peak,
+    )
+
+
+def loops(tiles):
+    """Tiles grouped by loop, in order → list of tuples."""
+    out = {}
+    for t in tiles:
+        out.setdefault(t.loop, []).append(t)
+    return [tuple(v) for v in out.values()]
+
+
+def costs(plan, tiles, head_dim, itemsize):
+    """(per-loop costs, total) of a schedule."""
+    per = [loop_cost(group, plan.parallel, head_dim, itemsize) for group in loops(tiles)]
+    total = Cost()
+    for c in per:
+        total = total + c
+    return per, total
+
+
+def _si(x):
+    """1234567 → '1.23M' (exact below 10 000)."""
+    if x < 10_000:
+        return str(int(x))
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return str(x)
+
+
+def _r(r):
+    return f"{r[0]}:{r[1]}"
+
+
+_HEADER = (
+    f"{'loop':>5} {'batch':>6} {'kv heads':>9} {'q/kv':>5} {'queries':>8} {'tiles c/e/s':>12} "
+    f"{'QK^T flop':>10} {'PV flop':>10} {'exp':>8} {'bytes':>9} {'peak B':>9}"
+)
+
+
+def _row(label, tile, cost):
+    where = ("", "", "", "") if tile is None else (tile.batch, tile.kv_heads, tile.reps, tile.q)
+    where = tuple(w if isinstance(w, str) else _r(w) for w in where)
+    tiles = f"{cost.computed}/{cost.empty}/{cost.skipped}"
+    return (
+        f"{label:>5} {where[0]:>6} {where[1]:>9} {where[2]:>5} {where[3]:>8} {tiles:>12} "
+        f"{_si(cost.qk_flops):>10} {_si(cost.pv_flops):>10} {_si(cost.exps):>8} "
+        f"{_si(cost.bytes):>9} {_si(cost.peak):>9}"
+    )
+
+
+def _ratio(a, b):
+    return f"{a / b:.3f}" if b else "-"
+
+
+def table(title, tiles, per, total, dense, max_rows=48):
+    """The printed table: one row per loop (the first `max_rows`), total, dense, ratio."""
+    groups = loops(tiles)
+    lines = [title, _HEADER]
+    for i, (group, cost) in enumerate(zip(groups, per, strict=True)):
+        if i == max_rows:
+            lines.append(f"{'...':>5} ({len(groups) - max_rows} more loops)")
+            break
+        lines.append(_row(str(i + 1), group[0], cost))
+    lines.append(_row("total", None, total))
+    lines.append(_row("dense", None, dense))
+    ratio = " ".join(
+        f"{name} {_ratio(getattr(total, name), getattr(dense, name))}"
+        for name in ("qk_flops", "pv_flops", "exps", "bytes", "peak")
+    )
+    lines.append(f"{'':>5} blocked/dense: {ratio}")
+    lines.append(
+        "tiles c/e/s: computed / computed but fully masked / skipped (skip_kv); q/kv: query "
+        "heads j*g + r, r in this range, of each kv head j; peak B: live float32 scores + "
+        "(m, l, O) states"
+    )
+    return "\n".join(lines)
+
+
+def describe(mode, options, dtype):
+    """One-line title: mode, its block options, sizes, positions."""
+    b, h, hkv, s, t, d = attention_sizes(options)
+    blocking = blocking_config(mode, options)
+    opts = ""
+    if blocking is not None:
+        keys = [f.name for f in dataclasses.fields(blocking) if f.name != "mode"]
+        given = {k: getattr(blocking, k) for k in keys if getattr(blocking, k) not in (None, False)}
+        opts = " (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
+    start = t - s if options["q_start"] is None else options["q_start"]
+    extra = [f"row 0 queries at {start}..{start + s - 1}"]
+    if options["sliding_window"] is not None:
+        extra.append(f"window {options['sliding_window']}")
+    if options["vision"]:
+        extra.append(f"vision run of {options['vision']} at query {options['vision_offset']}")
+    return (
+        f"mode {mode}{opts}; B={b} H={h} Hkv={hkv} S={s} T={t} D={d}; {', '.join(extra)}; "
+        f"q/k/v/o {dtype}"
+    )
+
+
+def report(mode, options, dtype="float16"):
+    """Everything the CLI needs: plan, tiles, per-loop and total costs, dense, title."""
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(_ITEMSIZE)}")
+    b, h, hkv, s, t, d = attention_sizes(options)
+    plan = make_plan(mode, options)
+    visible = attention_mask(options)
+    tiles = schedule(plan, visible, hkv)
+    per, total = costs(plan, tiles, d, _ITEMSIZE[dtype])
+    dense = dense_plan(b, h, hkv, s, t)
+    _, dense_cost = costs(dense, schedule(dense, visible, hkv), d, _ITEMSIZE[dtype])
+    title = describe(mode, options, dtype)
+    return {
+        "plan": plan,
+        "tiles": tiles,
+        "visible": visible,
+        "per": per,
+        "total": total,
+        "dense": dense_cost,
+        "title": title,
+        "table": table(title, tiles, per, total, dense_cost),
+    }
+
+
+def _panels(tiles):
+    """Tiles grouped by (batch, kv heads, query-head range): one picture panel each."""
+    out = {}
+    for t in tiles:
+        out.setdefault((t.batch, t.kv_heads, t.reps), []).append(t)
+    return list(out.items())
+
+
+def _panel_title(key, plan, group):
+    batch, (j0, j1), (r0, r1) = key
+    if plan.batch_fold:
+        where = f"folded rows {j0}:{j1} (b*Hkv + j)"
+    else:
+        where = f"batch {_r(batch)}, kv heads {j0}:{j1}"
+    if (r0, r1) == (0, group):
+        return f"{where}, q heads {j0 * group}:{j1 * group}"
+    return f"{where}, q heads {j0 * group + r0}:{j0 * group + r1}"
+
+
+def _draw_panel(ax, tiles, plan, visible, padding, t_len):
+    """One panel: visible [rows, S, T] of the block's batch rows, padding [S] (every row's
+    query is −1), its tiles, numbers and flow arrows → number of tiles drawn."""
+    from matplotlib import colors
+    from matplotlib.patches import Rectangle
+
+    s_len = visible.shape[1]
+    merge = plan.parallel and len(plan.kv) * plan.split > 1
+    margin = max(1.5, 0.18 * t_len) if merge else 0
+    seen = visible.sum(0)
+    shade = np.where(seen == visible.shape[0], 2, np.minimum(seen, 1))
+    cmap = colors.ListedColormap(["white", _SOME_ROWS, _ALL_ROWS])
+    ax.imshow(shade, cmap=cmap, vmin=0, vmax=2, extent=(0, t_len, s_len, 0), aspect="auto")
+    for s in np.flatnonzero(padding):
+        ax.axhspan(s, s + 1, color=_PADDING, zorder=0.5)
+    drawn = 0
+    size = 9 if len(tiles) <= 8 else 7
+    for t in tiles:
+        (q0, q1), (t0, t1) = t.q, t.kv
+        face = _STATUS_COLORS[t.status]
+        hatch = "///" if t.status == "skipped" else None
+        rect = Rectangle(
+            (t0, q0), t1 - t0, q1 - q0, facecolor=face, edgecolor="black", lw=1.6, hatch=hatch
+        )
+        rect.set_alpha(None if face == "none" else 0.75)
+        rect.set_gid("tile")
+        ax.add_patch(rect)
+        drawn += 1
+        for a, _ in t.pieces[1:]:
+            ax.plot([a, a], [q0, q1], ls="--", color="black", lw=1.0)
+        xc, yc = (t0 + t1) / 2, (q0 + q1) / 2
+        label = str(t.order) + (f"\n{len(t.pieces)} pieces" if len(t.pieces) > 1 else "")
+        ax.text(xc, yc, label, ha="center", va="center", fontsize=size, weight="bold")
+    _draw_flow(ax, tiles, plan, t_len, margin)
+    ax.set_xlim(0, t_len + margin)
+    ax.set_ylim(s_len, 0)
+    ax.set_xticks(sorted({0, t_len, *(t.kv[0] for t in tiles)}))
+    ax.set_yticks(sorted({0, s_len, *(t.q[0] for t in tiles)}))
+    ax.tick_params(labelsize=7)
+    return drawn
+
+
+def _draw_flow(ax, tiles, plan, t_len, margin):
+    """Arrows: (m, l, O) carried from KV block to KV block, or every block into one merge."""
+    arrow = dict(arrowstyle="->", color="#d62728", lw=1.3)
+    by_loop = {}
+    for t in tiles:
+        by_loop.setdefault(t.loop, []).append(t)
+    for group in by_loop.values():
+        q0, q1 = group[0].q
+        y = q0 + 0.72 * (q1 - q0)
+        if not plan.parallel:
+            for a, b in zip(group, group[1:], strict=False):
+                reach = min(0.35 * _span(a.kv), 0.35 * _span(b.kv), 2.0)
+                x = a.kv[1]
+                ax.annotate("", xy=(x + reach, y), xytext=(x - reach, y), arrowprops=arrow)
+            continue
+        if not margin:
+            continue
+        box = (t_len + 0.5 * margin, (q0 + q1) / 2)
+        ax.text(*box, "merge", ha="center", va="center", fontsize=7, rotation=90,
+                bbox=dict(boxstyle="round", fc="#fee0d2", ec="#d62728"))  # fmt: skip
+        for t in group:
+            for a, c in t.pieces:
+                ax.annotate(
+                    "",
+                    xy=(box[0] - 0.3 * margin, box[1]),
+                    xytext=((a + c) / 2, y),
+                    arrowprops={**arrow, "connectionstyle": "arc3,rad=-0.15", "lw": 0.9},
+                )
+
+
+def draw(path, report_, options, max_panels=16):
+    """Draw the schedule to a PNG at `path`; returns {"tiles": drawn, "tiles_total": ...,
+    "panels": drawn, "panels_total": ...} (also written into the PNG's Description)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    plan, tiles, visible = report_["plan"], report_["tiles"], report_["visible"]
+    b, h, hkv, s, t_len, _ = attention_sizes(options)
+    q_pos = attention_positions(options)[0]
+    panels = _panels(tiles)
+    shown = panels[:max_panels]
+    aspect = min(t_len / s, 2.5)
+    cols = min(len(shown), 2 if aspect > 1.4 else 3)
+    rows = -(-len(shown) // cols)
+    width = 2.6 + 2.2 * aspect
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(max(cols * width, 8.5), rows * 3.0 + 1.6),
+        squeeze=False,
+        layout="constrained",
+    )
+    drawn = 0
+    for ax, (key, group) in zip(axes.flat, shown, strict=False):
+        r0, r1 = group[0].rows
+        padding = (q_pos[r0:r1] < 0).all(0)
+        drawn += _draw_panel(ax, group, plan, visible[r0:r1], padding, t_len)
+        ax.set_title(_panel_title(key, plan, h // hkv) + f" (mask rows {r0}:{r1})", fontsize=8)
+        ax.set_xlabel("key slot (slot t holds position t)", fontsize=7)
+        ax.set_ylabel("query", fontsize=7)
+    for ax in axes.flat[len(shown) :]:
+        ax.axis("off")
+    more = "" if len(shown) == len(panels) else f"; first {len(shown)} of {len(panels)} panels"
+    total, dense = report_["total"], report_["dense"]
+    summary = (
+        f"{len(tiles)} tiles; FLOPs {_ratio(total.qk_flops + total.pv_flops, dense.qk_flops * 2)}"
+        f" of dense, bytes {_ratio(total.bytes, dense.bytes)}, peak working memory "
+        f"{_ratio(total.peak, dense.peak)}{more}"
+    )
+    fig.suptitle(
+        _wrap(report_["title"], int(max(cols * width, 8.5) * 13)) + "\n" + summary, fontsize=9
+    )
+    legend = [
+        Patch(facecolor=_ALL_ROWS, label="visible (query, key) pair, every batch row"),
+        Patch(facecolor=_SOME_ROWS, label="visible in some of the block's batch rows"),
+        Patch(facecolor="white", edgecolor="black", label="tile computed (number = order)"),
+        Patch(facecolor=_STATUS_COLORS["empty"], edgecolor="black", label="computed, fully masked"),
+        Patch(facecolor=_STATUS_COLORS["skipped"], hatch="///", edgecolor="black", label="skipped"),
+        Patch(facecolor=_PADDING, label="padding query (-1)"),
+    ]
+    flow = "red arrows: (m, l, O) carried to the next KV block"
+    if plan.parallel:
+        flow = "red arrows: independent pieces/blocks merged once (dashed: pieces, one per core)"
+    fig.legend(
+        handles=legend,
+        loc="outside lower center",
+        ncol=3,
+        fontsize=7,
+        title=flow,
+        title_fontsize=7,
+    )
+    info = {
+        "tiles": drawn,
+        "tiles_total": len(tiles),
+        "panels": len(shown),
+        "panels_total": len(panels),
+    }
+    fig.savefig(path, dpi=90, metadata={"Software": None, "Description": json.dumps(info)})
+    plt.close(fig)
+    return info
+
+
+def _wrap(text, width=120):
+    words, lines, line = text.split(" "), [], ""
+    for w in words:
+        if line and len(line) + len(w) + 1 > width:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}".strip()
+    return "\n".join([*lines, line])
