@@ -204,6 +204,30 @@ def parser():
     e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")
     e.add_argument("--mos", type=int, help="add -mos=N")
     e.add_argument("--mdp-config", help="add -mdp-load-partition-config=FILE")
+    e.add_argument(
+        "--num-devices",
+        type=int,
+        default=1,
+        help="tensor-slice each graph over N devices: writes QEfficient's mdp_ts_N.json "
+        "(--num-cores per device) and passes it to qaic-compile (default 1)",
+    )
+    phase = e.add_mutually_exclusive_group()
+    phase.add_argument(
+        "--prefill-only",
+        dest="phases",
+        action="store_const",
+        const=("prefill",),
+        default=("prefill", "decode"),
+        help="disaggregated serving: the vision and prefill graphs only (the manifest records "
+        "the KV-cache layout the decode side must share)",
+    )
+    phase.add_argument(
+        "--decode-only",
+        dest="phases",
+        action="store_const",
+        const=("decode",),
+        help="disaggregated serving: the decode graph only",
+    )
     e.add_argument("--hw-version", default="ai100", help="-aic-hw-version (default ai100)")
     e.add_argument(
         "--no-hash",
@@ -269,6 +293,13 @@ def parser():
         help="that image's grid in patches (repeatable, paired with --patches in order)",
     )
     r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (16)")
+    r.add_argument(
+        "--decode-from",
+        type=Path,
+        metavar="DIR",
+        help="disaggregated serving: OUT is a --prefill-only export whose KV cache is handed to "
+        "the decode graph of DIR (a --decode-only export with the same cache layout)",
+    )
     r.add_argument(
         "--skip-shard-check",
         action="store_true",

@@ -63,6 +63,8 @@ class ExportOptions:
     mxfp6: bool = False
     mos: int | None = None
     mdp_config: str | None = None
+    num_devices: int = 1
+    phases: tuple = ("prefill", "decode")  # --prefill-only / --decode-only
     hw_version: str = "ai100"
     hash_shards: bool = True
     force: bool = False
@@ -80,6 +82,14 @@ class ExportOptions:
         for name in ("batch_size", "seq_len", "ctx_len", "num_cores"):
             if getattr(self, name) < 1:
                 raise ExportError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.num_devices < 1:
+            raise ExportError(f"--num-devices {self.num_devices}: must be >= 1")
+        if self.num_devices > 1 and self.mdp_config is not None:
+            raise ExportError(
+                "--num-devices writes its own partition config; drop --mdp-config or use 1 device"
+            )
+        if not self.phases or set(self.phases) - {"prefill", "decode"}:
+            raise ExportError(f"phases {list(self.phases)}: expected prefill and/or decode")
         if self.full_batch_size is not None and self.full_batch_size < self.batch_size:
             raise ExportError(
                 f"--full-batch-size {self.full_batch_size}: must be >= --batch-size "
@@ -104,7 +114,9 @@ def plan(checkpoint, opts):
     language = "model" in opts.graphs and model_graphs.text_prefix(shapes) is not None
     language = language and graphs.text_config(checkpoint.config) is not None
     specs = []
-    if opts.budgets and vision_graph.vision_prefix(shapes) is not None:
+    # a --decode-only export reads no image: its vision graph belongs to the prefill side
+    wants_vision = not language or "prefill" in opts.phases
+    if opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
         # vision_size < ctx_len binds only where a language graph reads the soft tokens
         vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
         specs.append(
@@ -117,6 +129,8 @@ def plan(checkpoint, opts):
             ("prefill", opts.prefill_blocking),
             ("decode", opts.decode_blocking),
         ):
+            if phase not in opts.phases:
+                continue
             specs.append(
                 model_graphs.model_graph(
                     checkpoint.config,
@@ -269,7 +283,7 @@ def _compile_commands(entries, opts):
             num_cores=opts.num_cores,
             mxfp6=opts.mxfp6,
             mos=opts.mos,
-            mdp_config=opts.mdp_config,
+            mdp_config=_mdp_file(opts) or opts.mdp_config,
             hw_version=opts.hw_version,
             sub_functions=e["sub_functions"],
             custom_io=bool(e["retained_state"]),
@@ -277,6 +291,24 @@ def _compile_commands(entries, opts):
         )
         for e in entries
     ]
+
+
+def _mdp_file(opts):
+    """The partition config `--num-devices N` writes (QEfficient's name), or None."""
+    return f"mdp_ts_{opts.num_devices}.json" if opts.num_devices > 1 else None
+
+
+def retained_layout(entries):
+    """The KV-cache layout the exported language graphs share: {input name: shape} of every
+    retained-state input, at the decode (else prefill) graph's first specialization — what a
+    prefill-only and a decode-only export must agree on to hand the cache over."""
+    for kind in ("decode", "prefill"):
+        for e in entries:
+            if e["kind"] == kind:
+                retained = {pair[0] for pair in e["retained_state"]}
+                spec = e["specializations"][0]["name"]
+                return {t["name"]: t["shapes"][spec] for t in e["inputs"] if t["name"] in retained}
+    return None
 
 
 def export(opts, log=None):
@@ -312,6 +344,9 @@ def export(opts, log=None):
         for i, spec in enumerate(specs):
             log(f"[{i + 1}/{len(specs)}] {spec.name}")
             entries.append(write_graph(spec, checkpoint, tmp, opts, log))
+        if _mdp_file(opts):
+            config = qaic.mdp_partition_config(opts.num_devices, opts.num_cores)
+            _atomic_text(tmp / _mdp_file(opts), json.dumps(config, indent=4))
         script = qaic.compile_script(_compile_commands(entries, opts))
         _atomic_text(tmp / "compile.sh", script)
         os.chmod(tmp / "compile.sh", 0o755)
@@ -323,6 +358,7 @@ def export(opts, log=None):
             "shards": shards,
             "bytes_copied": sum(s["bytes"] for s in shards if s["copied"]),
             "graphs": entries,
+            "retained_layout": retained_layout(entries),
         }
         _atomic_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)
@@ -341,6 +377,7 @@ def _options_json(opts):
     d["budgets"] = list(opts.budgets)
     d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]
     d["graphs"] = list(opts.graphs)
+    d["phases"] = list(opts.phases)
     d["prefill_blocking"] = [opts.prefill_blocking[0], dict(opts.prefill_blocking[1])]
     d["decode_blocking"] = [opts.decode_blocking[0], dict(opts.decode_blocking[1])]
     return d

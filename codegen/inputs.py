@@ -102,7 +102,9 @@ def main(args):
     as the last lines (after each row's text when a tokenizer is at hand)."""
     if args.skip_shard_check:
         print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
-    runner = Runner(args.out, check_shards=not args.skip_shard_check)
+    runner = Runner(
+        args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from
+    )
     rows, images, tokenizer = _inputs(args, runner)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     tokens = runner.generate(rows, images, max_new_tokens=args.max_new_tokens, log=log)

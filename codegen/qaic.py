@@ -81,3 +81,18 @@ def compile_script(commands):
     ]
     lines += [shlex.join(c) for c in commands]
     return "\n".join(lines) + "\n"
+
+
+def mdp_partition_config(num_devices, num_cores):
+    """QEfficient's tensor-slicing partition config for `mdp_ts_num_devices` devices (what it
+    writes as `mdp_ts_{N}.json`): one partition over devices 0…N−1 connected peer to peer,
+    `num_cores` each."""
+    return {
+        "connections": [{"devices": list(range(num_devices)), "type": "p2p"}],
+        "partitions": [
+            {
+                "name": "Partition0",
+                "devices": [{"deviceId": d, "numCores": num_cores} for d in range(num_devices)],
+            }
+        ],
+    }

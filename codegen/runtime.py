@@ -54,20 +54,39 @@ def _slot_column(slots, rows):
 class Runner:
     """The export folder's vision, prefill and decode graphs as onnxruntime sessions."""
 
-    def __init__(self, folder, *, check_shards=True):
+    def __init__(self, folder, *, check_shards=True, decode_folder=None):
+        """folder: an export with prefill and decode graphs, or a `--prefill-only` export
+        whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
+        export with the same retained-state layout)."""
         self.folder = os.path.abspath(folder)
         manifest = read_manifest(self.folder, check_shards=check_shards)
         graphs = {g["kind"]: g for g in manifest["graphs"]}
+        self.checkpoint = open_checkpoint(self.folder)
+        homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
+        if decode_folder is not None:
+            decode_folder = os.path.abspath(decode_folder)
+            other = read_manifest(decode_folder, check_shards=check_shards)
+            entry = next((g for g in other["graphs"] if g["kind"] == "decode"), None)
+            if entry is None:
+                raise RunError(f"{decode_folder} has no decode graph (export it --decode-only)")
+            if other.get("retained_layout") != manifest.get("retained_layout"):
+                raise RunError(
+                    f"{decode_folder}: its KV-cache layout {other.get('retained_layout')} is not "
+                    f"the prefill's {manifest.get('retained_layout')}: export both sides with "
+                    "the same model, batch, ctx_len and cache options"
+                )
+            graphs["decode"] = entry
+            homes["decode"] = (decode_folder, open_checkpoint(decode_folder))
         missing = [k for k in ("prefill", "decode") if k not in graphs]
         if missing:
             raise RunError(
                 f"{self.folder} has no {' or '.join(missing)} graph: export with --graphs model"
+                + (" (or give the decode side's folder)" if missing == ["decode"] else "")
             )
-        self.checkpoint = open_checkpoint(self.folder)
         self.text = TextConfig.from_hf(self.checkpoint.config)
         self.entries = graphs
         self.sessions = {
-            kind: open_session(graphs[kind], self.folder, self.checkpoint)
+            kind: open_session(graphs[kind], *homes[kind])
             for kind in ("vision", "prefill", "decode")
             if kind in graphs
         }

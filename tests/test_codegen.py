@@ -419,7 +419,10 @@ def test_help_documents_every_option(capsys):
         "prefill_blocking": "--prefill-blocking",
         "decode_blocking": "--decode-blocking",
         "sliding_ring": "--sliding-ring",
+        "full_batch_size": "--full-batch-size",
+        "num_devices": "--num-devices",
+        "phases": "--prefill-only",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
-    for flag in flags.values():
+    for flag in [*flags.values(), "--decode-only"]:
         assert flag in text

@@ -86,3 +86,63 @@ def test_serve_refuses_bad_requests(served):
     assert runner.slots == SLOTS
     with pytest.raises(RunError, match="request 0: token id 96"):
         runner.serve([Request(np.array([9, 96]), [], 2)])
+
+
+def test_partition_config_is_qeffs(served, tmp_path):
+    """--num-devices N writes the tensor-slicing config QEfficient writes for
+    mdp_ts_num_devices=N (as mdp_ts_N.json, indent 4) and hands it to every compile."""
+    _, runner = served
+    out = tmp_path / "mdp"
+    export(
+        ExportOptions(
+            out=out, model=runner.folder, budgets=(70,), num_devices=4, num_cores=14, verify=False
+        ),
+        log=print,
+    )
+    qeff = {
+        "connections": [{"devices": [0, 1, 2, 3], "type": "p2p"}],
+        "partitions": [
+            {
+                "name": "Partition0",
+                "devices": [
+                    {"deviceId": 0, "numCores": 14},
+                    {"deviceId": 1, "numCores": 14},
+                    {"deviceId": 2, "numCores": 14},
+                    {"deviceId": 3, "numCores": 14},
+                ],
+            }
+        ],
+    }
+    assert (out / "mdp_ts_4.json").read_text() == json.dumps(qeff, indent=4)
+    lines = [x for x in (out / "compile.sh").read_text().splitlines() if "qaic-compile" in x]
+    assert len(lines) == 3 and all("-mdp-load-partition-config=mdp_ts_4.json" in x for x in lines)
+
+
+def test_prefill_only_hands_its_cache_to_decode_only(served, tmp_path):
+    """Disaggregated serving: a --prefill-only export (vision + prefill) and a --decode-only
+    export share the retained-state layout in their manifests; the prefill side's cache,
+    handed to the decode side's graph, gives transformers' tokens."""
+    hf, runner = served
+    sides = {}
+    for side, phases in (("prefill", ("prefill",)), ("decode", ("decode",))):
+        sides[side] = tmp_path / side
+        options = dict(budgets=(70,), seq_len=12, ctx_len=96, phases=phases)
+        export(ExportOptions(out=sides[side], model=runner.folder, **options), log=print)
+    manifests = {k: json.loads((v / "manifest.json").read_text()) for k, v in sides.items()}
+    assert [g["kind"] for g in manifests["prefill"]["graphs"]] == ["vision", "prefill"]
+    assert [g["kind"] for g in manifests["decode"]["graphs"]] == ["decode"]
+    assert manifests["prefill"]["retained_layout"] == manifests["decode"]["retained_layout"]
+    rng = np.random.default_rng(8)
+    patches = patches_for([(6, 9)], rng, 12)
+    ids = prompt(rng, 15, [6], 96)
+    want, _ = hf_generate(hf, ids, patches, [(6, 9)], 6)
+    handoff = Runner(sides["prefill"], decode_folder=sides["decode"])
+    got = handoff.generate([ids], [(patches[0], (6, 9))], max_new_tokens=6)
+    np.testing.assert_array_equal(got[0], want)
+    with pytest.raises(RunError, match="no decode graph"):
+        Runner(sides["prefill"])
+    other = tmp_path / "decode-112"
+    options = dict(budgets=(70,), ctx_len=112, phases=("decode",))
+    export(ExportOptions(out=other, model=runner.folder, **options), log=print)
+    with pytest.raises(RunError, match="KV-cache layout"):
+        Runner(sides["prefill"], decode_folder=other)
