@@ -1,4 +1,4 @@
-"""`python -m codegen export|run|verify|vectors|plan`: the command line (see `--help` of each)."""
+"""`python -m codegen export|run|verify`: the command line (see `--help` of each)."""
 
 import argparse
 import sys

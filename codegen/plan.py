@@ -249,9 +249,8 @@ def table(title, tiles, per, total, dense, max_rows=48):
     )
     lines.append(f"{'':>5} blocked/dense: {ratio}")
     lines.append(
-        "tiles c/e/s: computed / computed but fully masked / skipped (skip_kv); q/kv: query "
-        "heads j*g + r, r in this range, of each kv head j; peak B: live float32 scores + "
-        "(m, l, O) states"
+        "tiles c/e/s: computed / computed but fully masked / skipped (skip_kv); q/kv: query\n"
+        "heads j*g + r, r in this range, of each kv head j; peak B: live float32 scores + states"
     )
     return "\n".join(lines)
 
@@ -380,8 +379,8 @@ def _draw_flow(ax, tiles, plan, t_len, margin):
         if not margin:
             continue
         box = (t_len + 0.5 * margin, (q0 + q1) / 2)
-        ax.text(*box, "merge", ha="center", va="center", fontsize=7, rotation=90,
-                bbox=dict(boxstyle="round", fc="#fee0d2", ec="#d62728"))  # fmt: skip
+        frame = {"boxstyle": "round", "fc": "#fee0d2", "ec": "#d62728"}
+        ax.text(*box, "merge", ha="center", va="center", fontsize=7, rotation=90, bbox=frame)
         for t in group:
             for a, c in t.pieces:
                 ax.annotate(
@@ -392,7 +391,7 @@ def _draw_flow(ax, tiles, plan, t_len, margin):
                 )
 
 
-def draw(path, report_, options, max_panels=16):
+def draw(path, result, options, max_panels=16):
     """Draw the schedule to a PNG at `path`; returns {"tiles": drawn, "tiles_total": ...,
     "panels": drawn, "panels_total": ...} (also written into the PNG's Description)."""
     import matplotlib
@@ -401,8 +400,8 @@ def draw(path, report_, options, max_panels=16):
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
-    plan, tiles, visible = report_["plan"], report_["tiles"], report_["visible"]
-    b, h, hkv, s, t_len, _ = attention_sizes(options)
+    plan, tiles, visible = result["plan"], result["tiles"], result["visible"]
+    _, h, hkv, s, t_len, _ = attention_sizes(options)
     q_pos = attention_positions(options)[0]
     panels = _panels(tiles)
     shown = panels[:max_panels]
@@ -428,14 +427,14 @@ def draw(path, report_, options, max_panels=16):
     for ax in axes.flat[len(shown) :]:
         ax.axis("off")
     more = "" if len(shown) == len(panels) else f"; first {len(shown)} of {len(panels)} panels"
-    total, dense = report_["total"], report_["dense"]
+    total, dense = result["total"], result["dense"]
     summary = (
         f"{len(tiles)} tiles; FLOPs {_ratio(total.qk_flops + total.pv_flops, dense.qk_flops * 2)}"
         f" of dense, bytes {_ratio(total.bytes, dense.bytes)}, peak working memory "
         f"{_ratio(total.peak, dense.peak)}{more}"
     )
     fig.suptitle(
-        _wrap(report_["title"], int(max(cols * width, 8.5) * 13)) + "\n" + summary, fontsize=9
+        _wrap(result["title"], int(max(cols * width, 8.5) * 13)) + "\n" + summary, fontsize=9
     )
     legend = [
         Patch(facecolor=_ALL_ROWS, label="visible (query, key) pair, every batch row"),
