@@ -4,7 +4,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from codegen import graphs
+from ref.blocking import DENSE_NAMES
+from ref.blocking import names as blocking_names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,20 +45,18 @@ def _mode_options(text, known):
 
 
 def _blocking(text):
-    """An attention graph's MODE[:opt=value,...], options left out taking the mode's defaults;
-    `all` is every mode with its default options, and `none` (dense)."""
+    """An attention graph's MODE[:opt=value,...] (options left out take the mode's defaults in
+    `ref.blocking.TABLE`, clipped to the graph's sizes); `all` is every mode and alias with its
+    defaults, and `none` (dense)."""
+    every = [n for n in blocking_names() if n not in DENSE_NAMES]
     if text == "all":
-        return [(m, dict(o)) for m, o in graphs.DEFAULT_BLOCKING.items()] + [("none", {})]
-    mode, options = _mode_options(text, ["all", "none", *graphs.DEFAULT_BLOCKING])
-    return [(mode, {**graphs.DEFAULT_BLOCKING.get(mode, {}), **options})]
-
-
-_PHASE_MODES = ["none", "q", "kv", "qkv", "online", *graphs.DEFAULT_BLOCKING]
+        return [(m, {}) for m in every] + [("none", {})]
+    return [_mode_options(text, ["all", *DENSE_NAMES, *every])]
 
 
 def _phase_blocking(text):
     """A model graph's MODE[:opt=value,...] (options left out: the mode's defaults)."""
-    return _mode_options(text, list(dict.fromkeys(_PHASE_MODES)))
+    return _mode_options(text, list(blocking_names(prefill=True)))
 
 
 def _ids(text):
@@ -345,7 +344,7 @@ def _kit_parsers(sub):
             "--mode",
             metavar="MODE",
             help=f"attention only: {', '.join(ATTENTION_MODES)} (default dense); block counts "
-            "left out take codegen.graphs.DEFAULT_BLOCKING's",
+            "left out take the mode's defaults in ref.blocking.TABLE",
         )
         q.add_argument(
             "--opt",

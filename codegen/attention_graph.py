@@ -10,7 +10,7 @@ from codegen.graphs import (
     GraphError,
     GraphSpec,
     Tensor,
-    blocking_config,
+    blocking,
     layer_function,
     route_layers,
     text_config,
@@ -100,17 +100,18 @@ def attention_graph(
         )
     if seq_len > ctx_len:
         raise GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
+    config = blocking(
+        mode, options, prefill=False, batch=batch_size, queries=seq_len, kv_len=ctx_len
+    )
     try:
-        blocking = blocking_config(mode, options)
-        if blocking is not None:
-            for kv_heads in sorted({cfg.kv_heads[i] for i in range(layers)}):
-                blocking.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, ctx_len)
+        for kv_heads in sorted({cfg.kv_heads[i] for i in range(layers)}) if config else ():
+            config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, ctx_len)
     except ValueError as e:
         raise GraphError(f"blocking {mode!r} {options}: {e}") from e
     expected = {n: s for i in range(layers) for n, s in attention_param_shapes(cfg, i).items()}
     check_shapes(tensor_shapes, expected, "checkpoint")
     names = tuple(sorted(expected))
-    fold = blocking is not None and blocking.batch_fold
+    fold = config is not None and config.batch_fold
     symbols = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
 
     def cache_shape(i):
@@ -138,7 +139,7 @@ def attention_graph(
     if use_functions:
         for kind in {_attention_kind(AttentionLayer(cfg, i, None)) for i in range(layers)}:
             layer_function(kind)
-    stack = AttentionLayers(cfg, layers, blocking)
+    stack = AttentionLayers(cfg, layers, config)
     dense = AttentionLayers(cfg, layers, None)
     n_act = len(act)
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax2onnx import onnx_function
 from jax2onnx.plugins.plugin_system import PLUGIN_REGISTRY
 
-from ref.blocking import BlockingConfig
+from ref.blocking import for_phase
 from ref.gemma4.text_config import TextConfig
 
 # The repeated layers being exported: {function name: _Slot}, filled by the interceptor and read
@@ -200,32 +200,16 @@ def route_layers(layer_type, use_functions, kind):
     return interceptor
 
 
-# Block options each mode gets when `--blocking all` (or a bare mode name) asks for defaults:
-# two blocks along every cut axis, so each mode really splits the work.
-DEFAULT_BLOCKING = {
-    "kv": {"num_kv_blocks": 2},
-    "q": {"num_q_blocks": 2},
-    "h": {"head_block_size": 1},
-    "qkv": {"num_q_blocks": 2, "num_kv_blocks": 2},
-    "hq": {"head_block_size": 1, "num_q_blocks": 2},
-    "hkv": {"head_block_size": 1, "num_kv_blocks": 2},
-    "hqkv": {"head_block_size": 1, "num_q_blocks": 2, "num_kv_blocks": 2},
-    "bhqkv": {"num_batch_blocks": 1, "head_block_size": 1, "num_q_blocks": 2, "num_kv_blocks": 2},
-    "kv_headpar": {"num_kv_blocks": 2, "headpar_split": 2},
-    "kv_batch_fold": {"num_kv_blocks": 2, "batch_fold": True},
-    "prefill_q": {"prefill_block_chunks": 2},
-    "prefill_kv": {"num_kv_blocks": 2},
-    "prefill_qkv": {"prefill_block_chunks": 2, "num_kv_blocks": 2},
-    "prefill_online": {"prefill_block_chunks": 2, "num_kv_blocks": 2},
-}
-
-
-def blocking_config(mode, options):
-    """A `BlockingConfig` from a mode name (or a DEFAULT_BLOCKING alias) and its options."""
-    if mode == "none":
-        return None
-    base = {"kv_headpar": "kv", "kv_batch_fold": "kv"}.get(mode, mode)
-    return BlockingConfig(mode=base, **options)
+def blocking(name, options, *, prefill, batch, queries, kv_len):
+    """A graph's BlockingConfig (None = dense) for a mode name as the CLI gives it, through
+    `ref.blocking.for_phase` (the table of modes: defaults clipped to the sizes, aliases);
+    GraphError names what is wrong."""
+    try:
+        return for_phase(
+            name, dict(options or {}), prefill=prefill, batch=batch, queries=queries, kv_len=kv_len
+        )
+    except ValueError as e:
+        raise GraphError(f"blocking {name!r} {dict(options or {})}: {e}") from e
 
 
 def text_config(checkpoint_config):

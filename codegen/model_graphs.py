@@ -16,17 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from codegen.graphs import (
-    DEFAULT_BLOCKING,
     GraphError,
     GraphSpec,
     Tensor,
-    blocking_config,
+    blocking,
     layer_function,
     route_layers,
     text_config,
 )
 from ref.attention import blocked, reference
-from ref.blocking import MODES
 from ref.gemma4 import text as T
 from ref.gemma4.params import nested, text_param_shapes
 from ref.gemma4.text_config import SLIDING
@@ -46,35 +44,14 @@ def text_prefix(tensor_names):
 
 
 def phase_blocking(mode, options, *, prefill, batch, queries, kv_len):
-    """A phase's `BlockingConfig` (None = dense): `mode` as the CLI names it (a prefill phase
-    reads `q`, `kv`, `qkv`, `online` as their `prefill_` modes, as `Gemma4.generate` does);
-    options left out take the mode's defaults, clipped to the phase's sizes."""
-    if mode in (None, "none"):
-        if options:
-            raise GraphError(f"dense attention takes no options, got {options}")
-        return None
-    if prefill and f"prefill_{mode}" in MODES:
-        mode = f"prefill_{mode}"
-    if mode not in DEFAULT_BLOCKING:
-        raise GraphError(
-            f"blocking mode {mode!r}: expected none or one of {sorted(DEFAULT_BLOCKING)}"
-        )
-    limits = {
-        "num_q_blocks": queries,
-        "prefill_block_chunks": queries,
-        "num_kv_blocks": kv_len,
-        "num_batch_blocks": batch,
-    }
-    defaults = {k: min(v, limits.get(k, v)) for k, v in DEFAULT_BLOCKING[mode].items()}
-    merged = {**defaults, **options}
-    if merged.get("batch_fold"):
+    """A phase's BlockingConfig (None = dense), see `codegen.graphs.blocking` (a prefill phase
+    reads `q`, `kv`, `qkv`, `online` as the prefill modes, as `Gemma4.generate` does)."""
+    config = blocking(mode, options, prefill=prefill, batch=batch, queries=queries, kv_len=kv_len)
+    if config is not None and config.batch_fold:
         raise GraphError(
             "batch_fold is an attention-graph layout (--graphs attention), not a model one"
         )
-    try:
-        return blocking_config(mode, merged)
-    except ValueError as e:
-        raise GraphError(f"blocking {mode!r} {merged}: {e}") from e
+    return config
 
 
 def decoder_kinds(cfg):
@@ -203,7 +180,7 @@ def model_graph(
         if not budget < ctx_len:
             raise GraphError(f"vision_size {budget} must be < ctx_len {ctx_len}")
     window = min(cfg.sliding_window, ctx_len)
-    blocking = phase_blocking(
+    config = phase_blocking(
         mode,
         dict(options or {}),
         prefill=prefill,
@@ -211,16 +188,16 @@ def model_graph(
         queries=seq_len,
         kv_len=min(ctx_len, window + seq_len) if sliding_ring else ctx_len,
     )
-    if blocking is not None:
+    if config is not None:
         kv_lens = {ctx_len} | ({window + seq_len} if sliding_ring else set())
         try:
             for kv_heads in sorted(set(cfg.kv_heads)):
                 for kv_len in sorted(kv_lens):
-                    blocking.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
+                    config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
         except ValueError as e:
             raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
     prefix, names = model_weights(cfg, tensor_shapes)
-    kernel = reference if blocking is None else partial(blocked, config=blocking)
+    kernel = reference if config is None else partial(blocked, config=config)
     kinds = decoder_kinds(cfg)
 
     ids = (
@@ -305,7 +282,7 @@ def model_graph(
         options={
             "mode": mode or "none",
             "blocking": dict(options or {}),
-            "resolved_blocking": None if blocking is None else _config_json(blocking),
+            "resolved_blocking": None if config is None else _config_json(config),
             "batch_size": batch_size,
             "seq_len": seq_len,
             "ctx_len": ctx_len,

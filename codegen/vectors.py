@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from codegen.graphs import DEFAULT_BLOCKING
 from ref import cache
 from ref.attention import blocked, mask, reference
 from ref.blocking import MODES, BlockingConfig
+from ref.blocking import mode as blocking_mode
 from ref.gemma4.packing import pack
 from ref.gemma4.vision import packed_attention, pool
 from ref.rope import axial_rope
@@ -180,7 +180,7 @@ def parse_pairs(pairs):
 
 def resolve(op, mode=None, given=None):
     """Every option of `op` with its value: defaults, the mode's block counts (attention:
-    `codegen.graphs.DEFAULT_BLOCKING`), then `given` ({name: text}). Returns (mode, options)
+    `ref.blocking.TABLE`), then `given` ({name: text}). Returns (mode, options)
     with options in declared order; blocking options only where set. ValueError names any
     unknown op, mode or option, or a value of the wrong kind."""
     if op not in OPS:
@@ -214,7 +214,7 @@ def resolve(op, mode=None, given=None):
             name, value = next(iter(blocking.items()))
             raise ValueError(f"option {name}={value} is not used by mode 'dense' (no blocks)")
         if mode != "dense":
-            options |= {**DEFAULT_BLOCKING[mode], **blocking}
+            options |= {**blocking_mode(mode).defaults, **blocking}
     return mode, options
 
 

@@ -7,22 +7,175 @@ that fit the GQA groups). `plan` turns it into the static block boundaries the u
 
 import dataclasses
 
-# Which block axes each mode cuts: b(atch), h(eads), q(ueries), kv, r(= GQA n_rep chunks).
-_AXES = {
-    "kv": "kv",
-    "q": "q",
-    "h": "h",
-    "qkv": "q kv",
-    "hq": "h q",
-    "hkv": "h kv",
-    "hqkv": "h q kv",
-    "bhqkv": "b h q kv",
-    "prefill_q": "q r",
-    "prefill_kv": "kv r",
-    "prefill_qkv": "q kv r",
-    "prefill_online": "q kv r",
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One row of the table of blocking modes (`TABLE`), the one home of a mode's facts.
+
+    axes: the block axes it cuts, outermost first — b(atch), h(eads), q(ueries), kv, r (GQA
+    n_rep chunks); kv: how KV blocks combine — "dense" (one pass over the cache), "online"
+    (the sequential recurrence) or "merged" (independent states merged once); defaults: the
+    options a name alone gets (two blocks along each cut axis, one query head per head block);
+    math: its one line; phase: "prefill" for QEfficient's prefill modes, else "any".
+    """
+
+    name: str
+    axes: tuple
+    kv: str
+    defaults: dict
+    math: str
+    phase: str = "any"
+
+    @property
+    def options(self):
+        """The block-count option of each cut axis, in axis order."""
+        return tuple(_count_option(self.name, axis) for axis in self.axes)
+
+
+_KV2, _Q2, _H1 = {"num_kv_blocks": 2}, {"num_q_blocks": 2}, {"head_block_size": 1}
+_CHUNKS2 = {"prefill_block_chunks": 2}
+TABLE = (
+    Mode("kv", ("kv",), "online", _KV2, "online over KV blocks, all queries at once"),
+    Mode("q", ("q",), "dense", _Q2, "per query block, dense over the cache"),
+    Mode("h", ("h",), "dense", _H1, "per head block, dense over the cache"),
+    Mode("qkv", ("q", "kv"), "online", _Q2 | _KV2, "per query block, online over KV blocks"),
+    Mode("hq", ("h", "q"), "dense", _H1 | _Q2, "per head × query block, dense over the cache"),
+    Mode("hkv", ("h", "kv"), "online", _H1 | _KV2, "per head block, online over KV blocks"),
+    Mode(
+        "hqkv",
+        ("h", "q", "kv"),
+        "online",
+        _H1 | _Q2 | _KV2,
+        "per head × query block, online over KV blocks",
+    ),
+    Mode(
+        "bhqkv",
+        ("b", "h", "q", "kv"),
+        "online",
+        {"num_batch_blocks": 2} | _H1 | _Q2 | _KV2,
+        "per batch × head × query block, online over KV blocks",
+    ),
+    Mode(
+        "prefill_q",
+        ("q", "r"),
+        "dense",
+        _CHUNKS2,
+        "per query chunk × n_rep chunk, dense over the cache",
+        "prefill",
+    ),
+    Mode(
+        "prefill_kv",
+        ("kv", "r"),
+        "online",
+        _KV2,
+        "per n_rep chunk, online over KV blocks",
+        "prefill",
+    ),
+    Mode(
+        "prefill_qkv",
+        ("q", "kv", "r"),
+        "merged",
+        _CHUNKS2 | _KV2,
+        "per query chunk × n_rep chunk, per-KV-block states merged once",
+        "prefill",
+    ),
+    Mode(
+        "prefill_online",
+        ("q", "kv", "r"),
+        "online",
+        _CHUNKS2 | _KV2,
+        "per query chunk × n_rep chunk, online over KV blocks",
+        "prefill",
+    ),
+)
+_BY_NAME = {m.name: m for m in TABLE}
+# Names used elsewhere for a mode with fixed options: QEfficient's and the export CLI's.
+ALIASES = {
+    "kv_headpar": ("kv", {"headpar_split": 2}),
+    "kv_batch_fold": ("kv", {"batch_fold": True}),
 }
+# A prefill phase reads these short names (QEfficient's `prefill_blocking_mode`,
+# `Gemma4.generate`'s prefill_blocking) as the prefill modes.
+PREFILL_NAMES = {
+    "q": "prefill_q",
+    "kv": "prefill_kv",
+    "qkv": "prefill_qkv",
+    "online": "prefill_online",
+}
+DENSE_NAMES = ("none", "dense")
+
+_AXES = {m.name: " ".join(m.axes) for m in TABLE}
 MODES = tuple(_AXES)
+
+
+def mode(name):
+    """The table row of a mode name (no alias)."""
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown blocking mode {name!r}; expected one of {MODES}")
+    return _BY_NAME[name]
+
+
+def resolve(name, *, prefill=False):
+    """(mode name, options it implies) for any name used for a blocking mode — a table row,
+    an alias (`kv_headpar`, `kv_batch_fold`), a prefill short name when `prefill` (`q`, `kv`,
+    `qkv`, `online`) — or None for dense (`none`, `dense`, None)."""
+    if name is None or name in DENSE_NAMES:
+        return None
+    if prefill and name in PREFILL_NAMES:
+        return PREFILL_NAMES[name], {}
+    if name in ALIASES:
+        base, options = ALIASES[name]
+        return base, dict(options)
+    return mode(name).name, {}
+
+
+def names(*, prefill=False):
+    """Every name `resolve` takes in a phase (dense names first)."""
+    short = tuple(PREFILL_NAMES) if prefill else ()
+    return DENSE_NAMES + tuple(dict.fromkeys(short + MODES + tuple(ALIASES)))
+
+
+def default_options(name, *, prefill=False):
+    """(mode name, options) a name alone asks for: the row's defaults and the alias's options
+    (None for dense)."""
+    resolved = resolve(name, prefill=prefill)
+    if resolved is None:
+        return None
+    base, options = resolved
+    return base, {**mode(base).defaults, **options}
+
+
+def for_phase(name, options=None, *, prefill, batch, queries, kv_len):
+    """The BlockingConfig a phase runs for `name` (None for dense): any name `resolve` takes,
+    its row's defaults clipped to the phase's sizes (never more blocks than batch rows,
+    queries or keys, so a name alone fits any shape), then the alias's and the given options.
+
+    batch, queries, kv_len: the phase's B, S and the shortest key axis it attends over.
+    """
+    resolved = resolve(name, prefill=prefill)
+    if resolved is None:
+        if options:
+            raise ValueError(f"dense attention ({name!r}) takes no options, got {options}")
+        return None
+    base, implied = resolved
+    limits = {
+        "num_batch_blocks": batch,
+        "num_q_blocks": queries,
+        "prefill_block_chunks": queries,
+        "num_kv_blocks": kv_len,
+    }
+    defaults = {k: min(v, limits.get(k, v)) for k, v in mode(base).defaults.items()}
+    return BlockingConfig(mode=base, **{**defaults, **implied, **(options or {})})
+
+
+def markdown_table():
+    """docs/attention.md's table of modes, generated from `TABLE` (a test keeps them equal)."""
+    rows = ["| mode | cut axes | KV blocks | math | options (defaults) |", "|---|---|---|---|---|"]
+    for m in TABLE:
+        options = ", ".join(f"`{k}={v}`" for k, v in m.defaults.items())
+        rows.append(f"| `{m.name}` | {' × '.join(m.axes)} | {m.kv} | {m.math} | {options} |")
+    return "\n".join(rows)
+
 
 # The option that sets each axis's block count; prefill modes cut queries by prefill_block_chunks.
 _AXIS_OPTION = {

@@ -71,9 +71,10 @@ def test_default_export_writes_and_verifies_every_mode(exported):
     assert rc == 0
     m = manifest(out)
     names = {g["name"] for g in m["graphs"]}
-    from codegen.graphs import DEFAULT_BLOCKING
+    from ref.blocking import DENSE_NAMES
+    from ref.blocking import names as blocking_names
 
-    modes = [*DEFAULT_BLOCKING, "none"]
+    modes = [n for n in blocking_names() if n not in DENSE_NAMES] + ["none"]
     assert names == {"vision", "prefill", "decode"} | {f"attention_{mode}" for mode in modes}
     rows = verify(out, seed=1)  # fresh random inputs, not the export's own
     assert all(ok for *_, ok in rows), [r for r in rows if not r[-1]]

@@ -21,6 +21,8 @@ from codegen import attention_graph, checks, external, graphs
 from codegen.defaults import DEFAULT_CONFIG, default_checkpoint
 from codegen.export import ExportOptions, export
 from codegen.trace import trace
+from ref.blocking import DENSE_NAMES, default_options
+from ref.blocking import names as blocking_names
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.params import attention_param_shapes
@@ -181,7 +183,7 @@ def default_model(tmp_path_factory):
 
 @settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    mode=st.sampled_from(sorted(graphs.DEFAULT_BLOCKING)),
+    mode=st.sampled_from([n for n in blocking_names() if n not in DENSE_NAMES]),
     batch=st.integers(1, 2),
     seq_len=st.integers(1, 9),
     ctx_len=st.integers(9, 40),
@@ -197,7 +199,7 @@ def test_blocked_attention_graph_matches_dense_reference(
         k: (
             blocks if isinstance(v, int) and not isinstance(v, bool) and k != "headpar_split" else v
         )
-        for k, v in graphs.DEFAULT_BLOCKING[mode].items()
+        for k, v in default_options(mode)[1].items()
     }
     shapes = {n: i.shape for n, i in default_model.tensors.items()}
     try:
@@ -327,7 +329,7 @@ def test_attention_graph_is_transformers_text_attention(k_eq_v, mode, batch, seq
     lm = hf.model.language_model
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     shapes = {k: v.shape for k, v in state.items()}
-    options = {} if mode == "none" else graphs.DEFAULT_BLOCKING[mode]
+    options = {}
     spec = attention_graph.attention_graph(
         hf.config.to_dict(),
         shapes,

@@ -13,8 +13,8 @@ import pytest
 
 from codegen import vectors
 from codegen.__main__ import main
-from codegen.graphs import DEFAULT_BLOCKING
 from ref.attention import reference
+from ref.blocking import mode as blocking_mode
 from weights import read_header
 
 
@@ -125,7 +125,7 @@ def test_every_mode_resolves_to_a_ref_config_with_its_default_blocks(mode):
     resolved, options = vectors.resolve("attention", mode, {"seq": "4", "ctx": "8"})
     config = vectors.blocking_config(resolved, options)
     blocking = {k: v for k, v in options.items() if k in vectors.BLOCKING_OPTIONS}
-    assert config.mode == mode and blocking == DEFAULT_BLOCKING[mode]
+    assert config.mode == mode and blocking == blocking_mode(mode).defaults
     assert config.plan(2, 4, 2, 4, 8).q
 
 

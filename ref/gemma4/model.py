@@ -13,53 +13,30 @@ import numpy as np
 
 from ref import validate
 from ref.attention import blocked, reference
-from ref.blocking import BlockingConfig
+from ref.blocking import BlockingConfig, for_phase
 from ref.gemma4.images import GEMMA4_TOKENS, expand_prompt, num_soft_tokens, prompt_tokens
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.text import step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
 
-PREFILL_MODES = ("q", "kv", "qkv", "online")
-DECODE_MODES = ("kv", "q", "h", "qkv", "hq", "hkv", "hqkv", "bhqkv")
-# Default block counts: clipped to the sizes of each phase so every mode is valid for any
-# prompt, batch and chunk; one query head per head block divides every GQA group.
-_BLOCKS = {"kv": 4, "q": 2, "b": 2}
-
 
 def attention_for(mode, *, prefill, batch, queries, ctx_len):
     """The attention function of one phase: `reference`, or `blocked` in a QEfficient mode.
 
-    mode: None (dense), a prefill mode of PREFILL_MODES or a decode mode of DECODE_MODES
-    (default block counts), or a `ref.blocking.BlockingConfig` of the phase (its own options);
-    batch, queries, ctx_len: the phase's B, S and cache length (to clip the block counts).
+    mode: None (dense), any name `ref.blocking.resolve` takes (in a prefill phase `q`, `kv`,
+    `qkv`, `online` are the prefill modes; the row's defaults, clipped to the phase), or a
+    `ref.blocking.BlockingConfig` (its own options); batch, queries, ctx_len: the phase's B, S
+    and shortest key axis.
     """
-    if mode is None:
-        return reference
     if isinstance(mode, BlockingConfig):
-        if mode.mode.startswith("prefill_") != prefill:
-            phase = "prefill" if prefill else "decode"
-            raise ValueError(f"{phase}_blocking={mode!r}: expected a {phase} mode")
         return partial(blocked, config=mode)
-    modes = PREFILL_MODES if prefill else DECODE_MODES
-    if mode not in modes:
+    try:
+        config = for_phase(mode, prefill=prefill, batch=batch, queries=queries, kv_len=ctx_len)
+    except ValueError as e:
         phase = "prefill" if prefill else "decode"
-        raise ValueError(f"{phase}_blocking={mode!r}: expected None or one of {modes}")
-    axes = {"q", "kv"} if mode == "online" else {a for a in ("b", "h", "q") if a in mode}
-    if "kv" in mode:
-        axes.add("kv")
-    options = {}
-    if "kv" in axes:
-        options["num_kv_blocks"] = min(_BLOCKS["kv"], ctx_len)
-    if "q" in axes:
-        key = "prefill_block_chunks" if prefill else "num_q_blocks"
-        options[key] = min(_BLOCKS["q"], queries)
-    if "h" in axes:
-        options["head_block_size"] = 1
-    if "b" in axes:
-        options["num_batch_blocks"] = min(_BLOCKS["b"], batch)
-    name = f"prefill_{mode}" if prefill else mode
-    return partial(blocked, mode=name, **options)
+        raise ValueError(f"{phase}_blocking={mode!r}: {e}") from e
+    return reference if config is None else partial(blocked, config=config)
 
 
 def image_runs(ids, image_token_id):
@@ -199,11 +176,10 @@ class Gemma4:
         images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
         max_new_tokens: tokens to generate per row; chunk_size: None prefills each prompt in
         one step, else at most chunk_size tokens per step (image runs are never split, see
-        `chunk_bounds`); prefill_blocking: None, one of PREFILL_MODES or a prefill
-        BlockingConfig; decode_blocking: None, one of DECODE_MODES or a decode BlockingConfig
-        (see `attention_for`); lengths: [B] prompt lengths of right-padded rows (default: all
-        L); sliding_ring: keep sliding layers' keys in a ring of sliding_window slots (see
-        `ref.gemma4.kv_cache.init_cache`).
+        `chunk_bounds`); prefill_blocking, decode_blocking: None (dense), a mode name or a
+        `ref.blocking.BlockingConfig` (see `attention_for`); lengths: [B] prompt lengths of
+        right-padded rows (default: all L); sliding_ring: keep sliding layers' keys in a ring
+        of sliding_window slots (see `ref.gemma4.kv_cache.init_cache`).
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
