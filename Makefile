@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: export test lint bench
+.PHONY: export test lint bench mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,3 +21,8 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# Mutation testing (docs/mutation.md), slow, not in CI: all modules, or MODULE=ref/cache.py.
+mutation: $(STAMP)
+	$(BIN)/pip install -q mutmut==3.8.1
+	$(BIN)/python tools/mutation.py $(MODULE) $(ARGS)

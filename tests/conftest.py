@@ -18,4 +18,12 @@ settings.register_profile(
     parent=settings.get_profile("default"),
     max_examples=2000,
 )
+# `make mutation` (docs/mutation.md): the same tests once per mutant, so reproducible verdicts:
+# derandomized, no example database (a mutant's failure must not leak into the next one).
+settings.register_profile(
+    "mutation",
+    parent=settings.get_profile("default"),
+    derandomize=True,
+    database=None,
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

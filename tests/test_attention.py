@@ -327,3 +327,220 @@ def test_blocked_is_jittable_and_float32_softmax_for_bf16():
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, want) <= 3e-2
     assert rel_err(fn(q, k, v, q_pos, kv_pos), want) <= 1e-12
+
+
+def dense_oracle(q, k, v, visible, *, scale=1.0, softcap=None):
+    """float64 numpy attention, query by query: q [B, H, S, D], k, v [B, Hkv, T, D], visible
+    [B, H, S, T] bool; query head i reads kv head i // (H / Hkv); no visible key → zeros."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, h, s, _ = q.shape
+    g = h // k.shape[1]
+    out = np.zeros(q.shape)
+    for row in range(b):
+        for head in range(h):
+            for i in range(s):
+                seen = visible[row, head, i]
+                if not seen.any():
+                    continue
+                logits = k[row, head // g, seen] @ q[row, head, i] * scale
+                if softcap is not None:
+                    logits = np.tanh(logits / softcap) * softcap
+                p = np.exp(logits - logits.max())
+                out[row, head, i] = (p / p.sum()) @ v[row, head // g, seen]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_attend_per_head_mask_scale_softcap_against_numpy(dtype):
+    """A different mask per query head (grouped [B, Hkv, g] in the kernel), scale and softcap,
+    a fully masked row; float32 computes in float32, float64 in float64."""
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(2, 6, 3, 4)).astype(dtype)
+    k = rng.normal(size=(2, 2, 5, 4)).astype(dtype)
+    v = rng.normal(size=(2, 2, 5, 4)).astype(dtype)
+    visible = rng.random((2, 6, 3, 5)) < 0.5
+    visible[:, :, :, 0] = True
+    visible[1, 4, 2] = False
+    for scale, softcap in ((1.0, None), (0.7, None), (0.7, 1.5)):
+        got = np.asarray(attend(q, k, v, visible, scale=scale, softcap=softcap))
+        assert got.dtype == dtype
+        want = dense_oracle(q, k, v, visible, scale=scale, softcap=softcap)
+        assert rel_err(got, want) <= {np.float64: 1e-13, np.float32: 2e-6}[dtype], (scale, softcap)
+        assert (got[1, 4, 2] == 0).all()
+    with pytest.raises(ValueError, match="query heads 5 must be a multiple of kv heads 2"):
+        attend(q[:, :5], k, v, visible[:, :5])
+
+
+def test_mask_exact():
+    """Causal, padding on either side, vision runs both ways, the window bounding the past."""
+    q_pos = np.array([[2, 3, -1], [0, 1, 2]])
+    kv_pos = np.array([[0, 1, 2, 3, -1], [0, 1, 2, 3, 4]])
+    runs_q = np.array([[1, 1, -1], [-1, 0, 0]])
+    runs_kv = np.array([[-1, -1, 1, 1, -1], [-1, 0, 0, 0, -1]])
+    got = np.asarray(mask(q_pos, kv_pos)).astype(int)
+    assert got.shape == (2, 1, 3, 5)
+    assert got[:, 0].tolist() == [
+        [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0]],
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]],
+    ]
+    got = np.asarray(mask(q_pos, kv_pos, q_group=runs_q, kv_group=runs_kv, sliding_window=2))
+    assert got[:, 0].astype(int).tolist() == [
+        [[0, 1, 1, 1, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 0]],
+        [[1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [0, 1, 1, 1, 0]],
+    ]
+    # The window alone, W = 1: each query sees only itself.
+    one = np.asarray(mask(q_pos[1:], kv_pos[1:], sliding_window=1))[0, 0].astype(int)
+    assert one.tolist() == [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0]]
+
+
+# Every mode and option once, on one fixed problem (few shapes: fast enough to run per mutant
+# in `make mutation`): the hypothesis sweep above covers random shapes and combinations.
+SWEEP = [
+    ("kv", dict(num_kv_blocks=3)),
+    ("kv", dict(num_kv_blocks=4, skip_kv=True, ordered=True)),
+    ("kv", dict(num_kv_blocks=2, headpar_split=3, skip_kv=True)),
+    ("kv", dict(num_kv_blocks=2, headpar_split=0, num_cores=2, ctx_len=12)),
+    ("kv", dict(num_kv_blocks=3, headpar_split=0, batch_fold=True, skip_kv=True)),
+    ("q", dict(num_q_blocks=2, ordered=True)),
+    ("h", dict(head_block_size=1)),
+    ("h", dict(head_block_size=6, batch_fold=True)),
+    ("qkv", dict(num_q_blocks=3, num_kv_blocks=2, skip_kv=True)),
+    ("hq", dict(head_block_size=3, num_q_blocks=2)),
+    ("hkv", dict(head_block_size=1, num_kv_blocks=3, batch_fold=True, ordered=True)),
+    ("hqkv", dict(head_block_size=6, num_q_blocks=2, num_kv_blocks=2, headpar_split=2)),
+    ("bhqkv", dict(num_batch_blocks=2, head_block_size=3, num_q_blocks=2, num_kv_blocks=2)),
+    ("prefill_q", dict(prefill_block_chunks=2, prefill_n_rep_chunk=1)),
+    ("prefill_kv", dict(num_kv_blocks=3, skip_kv=True, prefill_n_rep_chunk=3)),
+    ("prefill_qkv", dict(prefill_block_chunks=2, num_kv_blocks=3, skip_kv=True)),
+    ("prefill_online", dict(prefill_block_chunks=3, num_kv_blocks=2, skip_kv=True, ordered=True)),
+    ("prefill_online", dict(prefill_block_chunks=2, num_kv_blocks=2, batch_fold=True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "opts"), SWEEP, ids=[f"{m}-{i}" for i, (m, _) in enumerate(SWEEP)]
+)
+def test_blocked_sweep_equals_reference(mode, opts):
+    """b 2, H 6, Hkv 2 (g 3), S 5, T 9: a ring cache with holes, vision runs, a sliding window
+    and a softcap, so blocks with no visible key (skip_kv) and fully masked rows occur."""
+    rng = np.random.default_rng(11)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, 2, 6, 2, 5, 9, 4, np.float64, scenario="ring", vision=True
+    )
+    q_pos[1, 3:] = -1
+    extra = dict(sliding_window=4, softcap=3.0, scale=0.8, **groups)
+    want = np.asarray(reference(q, k, v, q_pos, kv_pos, **extra))
+    assert (want[1, :, 3:] == 0).all() and np.abs(want).max() > 0
+    if opts.get("batch_fold"):
+        k, v = fold(k), fold(v)
+    got = np.asarray(blocked(q, k, v, q_pos, kv_pos, mode=mode, **opts, **extra))
+    assert got.shape == want.shape and got.dtype == np.float64
+    assert rel_err(got, want) <= 1e-12, (mode, opts)
+
+
+@pytest.mark.parametrize(
+    ("opts", "vision"),
+    [
+        (dict(mode="kv", num_kv_blocks=2, headpar_split=0, skip_kv=True), True),
+        (dict(mode="q", num_q_blocks=2, ordered=True), False),
+    ],
+)
+def test_blocked_over_every_device_of_this_process(opts, vision):
+    """mesh=: heads split over all of this process's devices. `make test` has one CPU device
+    (test_attention_sharded.py runs four in a subprocess); `make mutation` starts this process
+    with four, so the split is real and mutmut sees the code it runs."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("heads",))
+    rng = np.random.default_rng(12)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, 2, 8, 4, 5, 9, 4, np.float64, scenario="chunk", vision=vision
+    )
+    extra = dict(sliding_window=5, softcap=4.0, scale=0.9, **groups)
+    want = np.asarray(reference(q, k, v, q_pos, kv_pos, **extra))
+    got = blocked(q, k, v, q_pos, kv_pos, mesh=mesh, **opts, **extra)
+    assert len(got.sharding.device_set) == len(devices)
+    assert got.shape == want.shape and got.dtype == np.float64
+    assert rel_err(got, want) <= 1e-12
+    with pytest.raises(ValueError) as err:
+        blocked(
+            q,
+            fold(k),
+            fold(v),
+            q_pos,
+            kv_pos,
+            mesh=mesh,
+            mode="kv",
+            num_kv_blocks=2,
+            batch_fold=True,
+        )
+    assert str(err.value) == "a mesh shards the heads of an unfolded cache; drop batch_fold"
+    if len(devices) > 1:
+        with pytest.raises(ValueError) as err:
+            blocked(q[:, :6], k[:, :3], v[:, :3], q_pos, kv_pos, mesh=mesh, **opts)
+        assert str(err.value) == (
+            f"kv heads 3 must split evenly over the mesh's {len(devices)} devices"
+        )
+
+
+@pytest.mark.parametrize("late", [True, False])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(mode="kv", num_kv_blocks=4, skip_kv=True),
+        dict(mode="kv", num_kv_blocks=4, skip_kv=True, ordered=True),
+        dict(mode="kv", num_kv_blocks=2, headpar_split=2, skip_kv=True),
+        dict(mode="kv", num_kv_blocks=1, headpar_split=2),
+        dict(mode="prefill_online", prefill_block_chunks=2, num_kv_blocks=4, skip_kv=True),
+    ],
+)
+def test_skipped_blocks_and_float32(opts, late):
+    """Late queries under a short window (the first KV blocks are seen by no query: skip_kv
+    keeps the empty state m = −inf, l = 0, O = 0) or early queries (the last blocks are in
+    their future: skip_kv keeps the state so far). float32 in, float32 out (ordered adds a
+    float32 zero, never a float64 one)."""
+    rng = np.random.default_rng(13)
+    q = rng.normal(size=(1, 2, 2, 4)).astype(np.float32)
+    k = rng.normal(size=(1, 1, 8, 4)).astype(np.float32)
+    v = rng.normal(size=(1, 1, 8, 4)).astype(np.float32)
+    q_pos, kv_pos = np.array([[6, 7]] if late else [[0, 1]]), np.arange(8)[None]
+    want = np.asarray(reference(q, k, v, q_pos, kv_pos, sliding_window=2))
+    got = np.asarray(blocked(q, k, v, q_pos, kv_pos, sliding_window=2, **opts))
+    assert got.dtype == np.float32
+    assert rel_err(got, want) <= 2e-6
+
+
+def test_rep_chunks_uneven_batch_blocks_config_and_call_errors():
+    """Query-head chunks of 2 inside GQA groups of 4 (the chunks' concatenation axis matters
+    only then), batch blocks of 2 rows and 1 row, `config=`, and the exact call errors."""
+    from ref.blocking import BlockingConfig
+
+    rng = np.random.default_rng(14)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 3, 8, 2, 3, 6, 4, np.float64, scenario="chunk", vision=False
+    )
+    want = np.asarray(reference(q, k, v, q_pos, kv_pos))
+    cases = [
+        dict(mode="h", head_block_size=2),
+        dict(mode="prefill_kv", num_kv_blocks=2, prefill_n_rep_chunk=2),
+        dict(mode="bhqkv", num_batch_blocks=2, head_block_size=4, num_q_blocks=1, num_kv_blocks=1),
+    ]
+    for opts in cases:
+        assert rel_err(blocked(q, k, v, q_pos, kv_pos, **opts), want) <= 1e-12, opts
+    cfg = BlockingConfig(mode="qkv", num_q_blocks=2, num_kv_blocks=3)
+    assert rel_err(blocked(q, k, v, q_pos, kv_pos, config=cfg), want) <= 1e-12
+    errors = [
+        (dict(), "blocked() needs mode=... (or config=BlockingConfig(...))"),
+        (dict(config=cfg, mode="kv"), "give either config= or mode= with options, not both"),
+        (dict(config=cfg, num_kv_blocks=2), "give either config= or mode= with options, not both"),
+        (
+            dict(mode="kv", num_kv_blocks=2, kv_group=kv_pos),
+            "q_group and kv_group must be given together (vision run ids, -1 = text)",
+        ),
+    ]
+    for kwargs, message in errors:
+        with pytest.raises(ValueError) as err:
+            blocked(q, k, v, q_pos, kv_pos, **kwargs)
+        assert str(err.value) == message

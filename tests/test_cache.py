@@ -2,6 +2,8 @@
 through the cache (linear and sliding-window ring) equals one dense `reference` over the whole
 sequence (float64, ≤ 1e-12 relative)."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -140,3 +142,116 @@ def test_sliding_window_ring_equals_one_shot(n, window, seed):
         assert list(held[held >= 0]) == list(range(max(0, start - window), start))
     got = np.concatenate(outs, axis=2)
     assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def test_scatter_three_rows_three_heads_against_a_loop():
+    """Batch and kv-head counts of 3 (the broadcast index grids must be [B,1,1] and [1,Hkv,1]),
+    slots −1, T and T + 1 write nothing; a loop over rows and heads is the oracle."""
+    rng = np.random.default_rng(3)
+    b, hkv, t, s, d = 3, 3, 5, 3, 2
+    old = rng.normal(size=(b, hkv, t, d))
+    new = rng.normal(size=(b, hkv, s, d))
+    slots = np.array([[4, 0, -1], [t, 2, t + 1], [1, 3, 2]])
+    want = old.copy()
+    for row in range(b):
+        for head in range(hkv):
+            for i, slot in enumerate(slots[row]):
+                if 0 <= slot < t:
+                    want[row, head, slot] = new[row, head, i]
+    assert (np.asarray(cache.scatter(old, new, slots)) == want).all()
+    k, v = cache.update(old, old + 1, new, new + 1, slots)
+    assert (np.asarray(k) == want).all() and (np.asarray(v) == want + 1).all()
+
+
+def test_spare_slot_keeps_every_index_in_range():
+    """ScatterND neither clamps nor drops: every invalid slot (negative, ≥ T) goes to slot T."""
+    got = np.asarray(cache._spare_slot(np.array([[-2, -1, 0, 3, 4, 5, 9]]), 4))
+    assert got.tolist() == [[4, 4, 0, 3, 4, 4, 4]]
+
+
+def test_scatter_casts_to_the_cache_dtype_itself():
+    """The new values are cast explicitly: no implicit unsafe scatter cast (JAX warns now and
+    will raise later), the result keeps the cache's dtype."""
+    old = np.zeros((1, 1, 3, 2), np.float32)
+    new = np.full((1, 1, 1, 2), 0.1)  # float64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = cache.scatter(old, new, np.array([[1]]))
+        pos = cache.scatter_positions(
+            np.full((1, 3), -1, np.int32), np.array([[7]], np.int64), np.array([[2]])
+        )
+    assert got.dtype == np.float32 and np.asarray(got)[0, 0, 1].tolist() == [np.float32(0.1)] * 2
+    assert pos.dtype == np.int32 and np.asarray(pos).tolist() == [[-1, -1, 7]]
+
+
+def test_scatter_rejects_a_slots_shape_alone():
+    x = np.zeros((2, 1, 4, 3))
+    with pytest.raises(ValueError, match="scatter expects"):
+        cache.scatter(x, x[:, :, :2], np.zeros((2, 3), int))
+    with pytest.raises(ValueError, match="scatter expects"):
+        cache.scatter(x, x[:, :, :2], np.zeros((1, 2), int))
+
+
+def test_causal_positions_exact():
+    got = cache.causal_positions(np.array([[0, 1], [3, -1], [-1, -1]]), 5)
+    assert np.asarray(got).tolist() == [
+        [0, 1, -1, -1, -1],
+        [0, 1, 2, 3, -1],
+        [-1, -1, -1, -1, -1],
+    ]
+    assert np.asarray(cache.causal_positions(np.array([[2]]), 4)).tolist() == [[0, 1, 2, -1]]
+
+
+def rolling_slots_oracle(positions, window):
+    """Per row: a position is written iff ≥ 0 and no later position of the row evicts it."""
+    out = np.full(positions.shape, -1)
+    for row, ps in enumerate(positions):
+        last = ps.max()
+        for i, p in enumerate(ps):
+            if p >= 0 and last - p < window:
+                out[row, i] = p % window
+    return out
+
+
+def test_rolling_slots_exact():
+    """Rows of different lengths (each row evicts against its own last position), padding −1
+    in a row whose positions are all < W, a chunk longer than W."""
+    positions = np.array([[0, 1, 2, 3, 4, 5], [6, 7, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1]])
+    got = np.asarray(cache.rolling_slots(positions, 3))
+    assert got.tolist() == [[-1, -1, -1, 0, 1, 2], [0, 1, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1]]
+    assert (got == rolling_slots_oracle(positions, 3)).all()
+    one = np.array([[4, 5, 6]])
+    assert np.asarray(cache.rolling_slots(one, 2)).tolist() == [[-1, 1, 0]]
+    assert np.asarray(cache.rolling_slots(one, 4)).tolist() == [[0, 1, 2]]
+
+
+def test_window_keys_keeps_the_ring_dtypes():
+    ring_k = np.zeros((1, 1, 2, 2), np.float32)
+    ring_pos = np.full((1, 2), -1, np.int32)
+    new = np.ones((1, 1, 1, 2))  # float64
+    k, v, pos = cache.window_keys(ring_k, ring_k + 2, ring_pos, new, new * 3, np.array([[5]]))
+    assert k.dtype == v.dtype == np.float32 and pos.dtype == np.int32
+    assert np.asarray(k)[0, 0].tolist() == [[0, 0], [0, 0], [1, 1]]
+    assert np.asarray(v)[0, 0].tolist() == [[2, 2], [2, 2], [3, 3]]
+    assert np.asarray(pos).tolist() == [[-1, -1, 5]]
+
+
+def test_take_and_put_rows_by_slot():
+    """Continuous batching's slot reads and writes, against numpy indexing: −1 reads slot 0
+    (ignored) and writes nothing; out-of-range slots write nothing; other rows untouched."""
+    rng = np.random.default_rng(3)
+    full = {"k": rng.standard_normal((4, 3, 5)), "pos": np.arange(20).reshape(4, 5)}
+    rows = np.array([2, -1, 0])
+    got = cache.take_rows(full, rows)
+    np.testing.assert_array_equal(np.asarray(got["k"]), full["k"][[2, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(got["pos"]), full["pos"][[2, 0, 0]])
+    new = {"k": rng.standard_normal((3, 3, 5)), "pos": -np.arange(15).reshape(3, 5)}
+    put = cache.put_rows(full, new, np.array([3, -1, 1]))
+    want_k, want_pos = full["k"].copy(), full["pos"].copy()
+    want_k[3], want_k[1] = new["k"][0], new["k"][2]
+    want_pos[3], want_pos[1] = new["pos"][0], new["pos"][2]
+    np.testing.assert_array_equal(np.asarray(put["k"]), want_k)
+    np.testing.assert_array_equal(np.asarray(put["pos"]), want_pos)
+    assert np.asarray(put["pos"]).dtype == full["pos"].dtype
+    beyond = cache.put_rows(full, new, np.array([4, 7, -3]))
+    np.testing.assert_array_equal(np.asarray(beyond["k"]), full["k"])

@@ -514,3 +514,200 @@ def test_config_is_read_as_transformers_reads_it(tmp_path):
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x", "a": "y"}}')
     with pytest.raises(CheckpointError, match="duplicate key 'a'"):
         weights.open_checkpoint(folder)
+
+
+# ------------------------------------------------ exact messages and limits (make mutation)
+
+
+def _header_error(tmp_path, blob) -> str:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(CheckpointError) as err:
+        weights.read_header(path)
+    prefix = f"{path}: "
+    assert str(err.value).startswith(prefix)
+    return str(err.value)[len(prefix) :]
+
+
+def test_header_errors_exact(tmp_path):
+    """The whole message: which tensor, what is wrong, the numbers involved."""
+    cases = [
+        ({"t": 5}, b"", "tensor 't': entry must be an object, got int"),
+        (
+            {"t": {**F32x2, "shape": [9], "data_offsets": [0, 32]}},
+            bytes(32),
+            "tensor 't': F32 shape [9] needs more than the 32 bytes data_offsets span",
+        ),
+        (
+            {"t": {**F32x2, "shape": [1]}},
+            bytes(8),
+            "tensor 't': data_offsets span 8 bytes; F32 [1] needs 4",
+        ),
+        (
+            {"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}},
+            bytes(2),
+            "tensor 't': F4 shape [3] is not a whole number of bytes",
+        ),
+        (
+            {"t": {**F32x2, "shape": [2**63]}},
+            bytes(8),
+            "tensor 't': shape must be a list of integers in [0, 2**63), got [9223372036854775808]",
+        ),
+        (
+            {"t": {**F32x2, "data_offsets": [0, 2**64]}},
+            bytes(8),
+            "tensor 't': data_offsets must be [begin, end] byte offsets, got "
+            "[0, 18446744073709551616]",
+        ),
+    ]
+    for header, data, message in cases:
+        assert _header_error(tmp_path, encode(header, data)) == message
+    name = "\ud800"  # a lone surrogate, smuggled in by a JSON escape
+    blob = encode(b'{"\\ud800": ' + json.dumps(F32x2).encode() + b"}", bytes(8))
+    assert _header_error(tmp_path, blob) == (
+        f"tensor {repr(name)!r}: tensor name is not valid Unicode text"
+    )
+
+
+def test_header_limits_are_inclusive(tmp_path):
+    """A dimension of 2**63 − 1 and an offset of 2**64 − 1 are in range; a zero-size U8 tensor
+    of 2**63 − 1 rows still fits numpy's limit."""
+    path = tmp_path / "edge.safetensors"
+    path.write_bytes(
+        encode({"t": {"dtype": "U8", "shape": [2**63 - 1, 0], "data_offsets": [0, 0]}})
+    )
+    info = weights.read_header(path)["t"]
+    assert (info.shape, info.nbytes) == ((2**63 - 1, 0), 0)
+    top = 2**64 - 1
+    far = {"t": {**F32x2, "data_offsets": [top, top]}}
+    want = f"tensor 't': gap of {top} bytes before data_offsets [{top}, {top}]"
+    assert _header_error(tmp_path, encode(far)) == want
+
+
+def test_dtype_refusals_exact(tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        weights.numpy_dtype("F4")
+    assert str(err.value) == "dtype 'F4': it packs 4-bit values, which numpy cannot lay out"
+    with pytest.raises(CheckpointError) as err:
+        weights.numpy_dtype("F33")
+    assert str(err.value) == (
+        f"dtype 'F33': unknown safetensors dtype; expected one of {list(weights.DTYPES)}"
+    )
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(bytes(8) + np.array([1.5, -2.0], "<f4").tobytes())
+    info = weights.TensorInfo("t", path, "X1", (2,), 8, 8)
+    with pytest.raises(CheckpointError) as err:
+        weights.read_tensor(info)
+    assert str(err.value) == (
+        f"{path}: tensor 't': cannot read dtype 'X1' as numpy: unknown safetensors dtype; "
+        f"expected one of {list(weights.DTYPES)}"
+    )
+
+
+def test_read_tensor_checks_its_tensor_info(tmp_path):
+    """Offset 8 (right after the length) is the first valid one; the byte count must match."""
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(bytes(8) + np.array([1.5, -2.0], "<f4").tobytes())
+    got = weights.read_tensor(weights.TensorInfo("t", path, "F32", (2,), 8, 8))
+    assert got.tolist() == [1.5, -2.0]
+    for offset, nbytes in ((7, 8), (8, 4)):
+        with pytest.raises(CheckpointError) as err:
+            weights.read_tensor(weights.TensorInfo("t", path, "F32", (2,), offset, nbytes))
+        assert str(err.value) == (
+            f"{path}: tensor 't': TensorInfo holds {nbytes} bytes at {offset}, needs 8"
+        )
+
+
+def test_writer_is_byte_identical_to_the_reference_library(tmp_path):
+    """Same header (compact JSON, UTF-8 names and metadata, space padding), same data order."""
+    tensors = {
+        "b.ü": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "a": np.arange(3, dtype=np.int8),
+        "c": np.ones(2, np.float64),
+        "d": np.asfortranarray(np.arange(6, dtype=">i2").reshape(2, 3)),
+    }
+    meta = {"ké": "vé"}  # one key: the reference library keeps metadata in a hash map
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    weights.write_safetensors(ours, tensors, meta)
+    safetensors.numpy.save_file(
+        {k: np.ascontiguousarray(v, v.dtype.newbyteorder("<")) for k, v in tensors.items()},
+        theirs,
+        metadata=meta,
+    )
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert oct(ours.stat().st_mode & 0o777) == "0o644"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.safetensors", "theirs.safetensors"]
+
+
+def test_writer_refusals_exact(tmp_path):
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError) as err:
+        weights.write_safetensors(path, {"__metadata__": np.zeros(1)})
+    assert (
+        str(err.value)
+        == "tensor name '__metadata__' must be a Unicode string other than __metadata__"
+    )
+    for bad in ({"k": 1}, {1: "v"}, ["k"]):
+        with pytest.raises(TypeError) as err:
+            weights.write_safetensors(path, {"t": np.zeros(1)}, bad)
+        assert str(err.value) == f"metadata must map str to str, got {bad!r}"
+    with pytest.raises(TypeError) as err:
+        weights.write_safetensors(path, {"t": [1.0]})
+    assert str(err.value) == "tensor 't' must be a numpy array, got list"
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_more_header_errors_exact(tmp_path):
+    ones = [1] * 64
+    ok = tmp_path / "ok.safetensors"
+    ok.write_bytes(encode({"t": {"dtype": "F32", "shape": ones, "data_offsets": [0, 4]}}, bytes(4)))
+    assert weights.read_header(ok)["t"].shape == tuple(ones)
+    cases = [
+        (
+            encode({"t": {"dtype": "F32", "shape": ones + [1], "data_offsets": [0, 4]}}, bytes(4)),
+            "tensor 't': shape has 65 dimensions; at most 64 are supported",
+        ),
+        (
+            encode({"t": {**F32x2, "data_offsets": [8, 0]}}, bytes(8)),
+            "tensor 't': data_offsets [8, 0] end before they begin",
+        ),
+        (
+            encode({"t": F32x2, "u": {**F32x2, "data_offsets": [12, 20]}}, bytes(20)),
+            "tensor 'u': gap of 4 bytes before data_offsets [12, 20]",
+        ),
+        (bytes(8), "header is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+        (bytes(7), "file is 7 bytes, too short for the 8-byte header length"),
+        (
+            encode({}, length=100_000_001),
+            "header length 100000001 exceeds the format's limit of 100000000",
+        ),
+        (encode(b'{"t": NaN}'), "header is not valid JSON: NaN is not JSON"),
+    ]
+    for blob, message in cases:
+        assert _header_error(tmp_path, blob) == message
+    at_limit = encode({}, length=100_000_000)  # within the limit, but past the end of the file
+    assert _header_error(tmp_path, at_limit) == (
+        "header length 100000000 runs past the end of the 10-byte file"
+    )
+
+
+def test_minus_zero_and_deep_nesting_and_counts_exact(tmp_path):
+    """ "-0" is no unsigned integer (as in the reference parser); nesting past Python's limit is
+    refused by name; the trailing-bytes message counts the data section."""
+    minus_zero = encode(b'{"t": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}')
+    assert _header_error(tmp_path, minus_zero) == (
+        "tensor 't': shape must be a list of integers in [0, 2**63), got [-0.0]"
+    )
+    deep = encode(b"[" * 100_000 + b"]" * 100_000)
+    assert _header_error(tmp_path, deep) == "header nests too deeply"
+    assert _header_error(tmp_path, encode({"t": F32x2}, bytes(9))) == (
+        "tensors cover 8 bytes but the data after the header is 9 bytes"
+    )
+    path = tmp_path / "f4.safetensors"
+    path.write_bytes(encode({"t": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"a"))
+    with pytest.raises(CheckpointError) as err:
+        weights.read_tensor(weights.read_header(path)["t"])
+    assert str(err.value) == (
+        f"{path}: tensor 't': cannot read dtype 'F4' as numpy: it packs 4-bit values, which "
+        "numpy cannot lay out"
+    )
