@@ -1,0 +1,379 @@
+"""The command line's grammar: `parser()` for `python -m codegen` and its subcommands (export,
+run, serve, verify, vectors, plan), with the argument types that read their values."""
+
+import argparse
+from pathlib import Path
+
+from ref.blocking import DENSE_NAMES
+from ref.blocking import names as blocking_names
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (exit 2), without the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _budgets(text):
+    try:
+        return tuple(int(b) for b in text.split(",") if b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
+def _mode_options(text, known):
+    """(mode, {option: value}) from MODE or MODE:opt=value,opt=value."""
+    mode, _, rest = text.partition(":")
+    if mode not in known:
+        raise argparse.ArgumentTypeError(
+            f"unknown blocking mode {mode!r}; expected one of {', '.join(known)}"
+        )
+    options = {}
+    for item in rest.split(",") if rest else ():
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: expected option=value")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r}: expected an integer value") from None
+    return mode, options
+
+
+def blocking_modes(text):
+    """An attention graph's MODE[:opt=value,...] (options left out take the mode's defaults in
+    `ref.blocking.TABLE`, clipped to the graph's sizes); `all` is every mode and alias with its
+    defaults, and `none` (dense)."""
+    every = [n for n in blocking_names() if n not in DENSE_NAMES]
+    if text == "all":
+        return [(m, {}) for m in every] + [("none", {})]
+    return [_mode_options(text, ["all", *DENSE_NAMES, *every])]
+
+
+def _phase_blocking(text):
+    """A model graph's MODE[:opt=value,...] (options left out: the mode's defaults)."""
+    return _mode_options(text, list(blocking_names(prefill=True)))
+
+
+def _ids(text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids") from None
+
+
+def _grid(text):
+    h, x, w = text.lower().partition("x")
+    if not (x and h.isdigit() and w.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HxW in patches, e.g. 6x9")
+    return int(h), int(w)
+
+
+def _graph_kinds(text):
+    kinds = tuple(k for k in text.split(",") if k)
+    if not kinds or set(kinds) - {"model", "attention"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected model, attention or model,attention")
+    return kinds
+
+
+def parser():
+    p = _Parser(
+        prog="python -m codegen",
+        description="Gemma 4 for QAIC: export weight-free ONNX graphs, run and serve them in "
+        "onnxruntime, verify them against ref; golden vectors and schedule plans for kernels.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    e = sub.add_parser("export", help="write weight-free ONNX graphs and QAIC artifacts")
+    e.add_argument(
+        "--model",
+        type=Path,
+        help="HF checkpoint folder (default: the embedded "
+        "tiny Gemma 4, written once to $GEMMA4_QAIC_CACHE or ~/.cache/gemma4-qaic)",
+    )
+    e.add_argument(
+        "--out",
+        type=Path,
+        default=Path("export"),
+        help="output folder (default ./export); must be absent or empty unless --force",
+    )
+    e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    e.add_argument(
+        "--budgets",
+        type=_budgets,
+        default=(70, 140),
+        help="vision soft-token "
+        "budgets, one specialization each, from 70,140,280,560,1120 (default 70,140; "
+        "empty: no vision graph)",
+    )
+    e.add_argument(
+        "--graphs",
+        type=_graph_kinds,
+        default=("model",),
+        help="what to export besides the vision tower: model (the language model's prefill "
+        "and decode graphs; the default), attention (stacks of text attention layers, one per "
+        "--blocking mode, for kernel work), or model,attention",
+    )
+    e.add_argument(
+        "--prefill-blocking",
+        type=_phase_blocking,
+        default=("none", {}),
+        metavar="MODE[:opt=v,...]",
+        help="the prefill graph's attention: none (dense, the default), q, kv, qkv, online "
+        "(QEfficient's prefill modes) or any mode of --blocking; options left out take the "
+        "mode's defaults, e.g. qkv:num_kv_blocks=4",
+    )
+    e.add_argument(
+        "--decode-blocking",
+        type=_phase_blocking,
+        default=("none", {}),
+        metavar="MODE[:opt=v,...]",
+        help="the decode graph's attention: none (dense, the default) or a mode such as kv, "
+        "hqkv, bhqkv, kv_headpar with its options (left out: the mode's defaults)",
+    )
+    e.add_argument(
+        "--full-batch-size",
+        type=int,
+        help="continuous batching (QEfficient's): the KV cache holds N request slots, prefill "
+        "and decode take batch_index, decode runs over all N slots",
+    )
+    e.add_argument(
+        "--sliding-ring",
+        action="store_true",
+        help="sliding-window layers keep a ring of sliding_window slots instead of ctx_len",
+    )
+    e.add_argument(
+        "--blocking",
+        type=blocking_modes,
+        action="append",
+        metavar="MODE[:opt=v,...]",
+        help="with --graphs attention, an attention graph per use: a mode (kv, q, h, qkv, hq, "
+        "hkv, hqkv, bhqkv, kv_headpar, kv_batch_fold, prefill_q, prefill_kv, prefill_qkv, "
+        "prefill_online, none = dense) with QEfficient block options such as "
+        "num_kv_blocks=4,head_block_size=2 (options left out: the mode's defaults); "
+        "`all` = every mode (the default)",
+    )
+    e.add_argument(
+        "--attention-layers",
+        type=int,
+        help="layers per attention graph (default: every leading text layer that owns its KV "
+        "cache, one head layout per layer type)",
+    )
+    e.add_argument(
+        "--batch-size", type=int, default=1, help="batch of every text graph (default 1)"
+    )
+    e.add_argument(
+        "--seq-len",
+        type=int,
+        default=128,
+        help="tokens per prefill chunk and attention call (default 128; decode is 1); a "
+        "prompt's image runs must each fit in one chunk",
+    )
+    e.add_argument(
+        "--ctx-len",
+        type=int,
+        default=256,
+        help="KV cache length; with language graphs every vision budget must be < ctx_len "
+        "(default 256)",
+    )
+    e.add_argument(
+        "--weights",
+        choices=("external", "inputs"),
+        default="external",
+        help="external: initializers pointing into the safetensors shards (default); "
+        "inputs: graph inputs + weight spec v5 (QEfficient's form)",
+    )
+    e.add_argument(
+        "--no-subfunctions",
+        dest="sub_functions",
+        action="store_false",
+        help="inline repeated layers instead of ONNX functions",
+    )
+    e.add_argument(
+        "--legacy-specializations",
+        action="store_true",
+        help="flat specializations.json for older SDKs",
+    )
+    e.add_argument(
+        "--kv-dtype",
+        default="float16",
+        help="retained KV cache precision in "
+        "custom_io.yaml: float16 (fp16), float32 (fp32), mxint8, bfloat16 (bf16); default float16",
+    )
+    e.add_argument("--num-cores", type=int, default=16, help="-aic-num-cores (default 16)")
+    e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")
+    e.add_argument("--mos", type=int, help="add -mos=N")
+    e.add_argument("--mdp-config", help="add -mdp-load-partition-config=FILE")
+    e.add_argument(
+        "--num-devices",
+        type=int,
+        default=1,
+        help="tensor-slice each graph over N devices: writes QEfficient's mdp_ts_N.json "
+        "(--num-cores per device) and passes it to qaic-compile (default 1)",
+    )
+    phase = e.add_mutually_exclusive_group()
+    phase.add_argument(
+        "--prefill-only",
+        dest="phases",
+        action="store_const",
+        const=("prefill",),
+        default=("prefill", "decode"),
+        help="disaggregated serving: the vision and prefill graphs only (the manifest records "
+        "the KV-cache layout the decode side must share)",
+    )
+    phase.add_argument(
+        "--decode-only",
+        dest="phases",
+        action="store_const",
+        const=("decode",),
+        help="disaggregated serving: the decode graph only",
+    )
+    e.add_argument("--hw-version", default="ai100", help="-aic-hw-version (default ai100)")
+    e.add_argument(
+        "--no-hash",
+        dest="hash_shards",
+        action="store_false",
+        help="skip the shards' sha256 in manifest.json",
+    )
+    e.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the onnxruntime check at the end",
+    )
+    r = sub.add_parser(
+        "run", help="greedy generation over an export's vision, prefill and decode graphs"
+    )
+    r.add_argument("out", type=Path, help="an export folder (written with --graphs model)")
+    r.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="the prompt as text, one image placeholder (<|image|>) per --image; needs the "
+        "checkpoint's tokenizer.json (copied into the export folder)",
+    )
+    r.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image file (PNG, JPEG, ...), resized as Gemma 4's image processor does "
+        "(repeatable, in the order of the prompt's placeholders)",
+    )
+    r.add_argument(
+        "--max-soft-tokens",
+        type=int,
+        help="soft tokens per --image, one of the exported budgets (default: the largest "
+        "exported budget that fits one prefill chunk)",
+    )
+    r.add_argument(
+        "--prompt-ids",
+        type=_ids,
+        action="append",
+        metavar="ID,ID,...",
+        help="one prompt row's token ids (repeatable: one row each, up to the exported batch "
+        "size); with --patches each image already expanded to its run of image tokens, with "
+        "--image one image token id per image",
+    )
+    r.add_argument(
+        "--patches",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="F.npy",
+        help="an image's patches [h·w, 3·p·p] in [0, 1], row-major (repeatable: one per "
+        "image run, in order of appearance, row by row)",
+    )
+    r.add_argument(
+        "--grid",
+        type=_grid,
+        action="append",
+        default=[],
+        metavar="HxW",
+        help="that image's grid in patches (repeatable, paired with --patches in order)",
+    )
+    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (16)")
+    r.add_argument(
+        "--decode-from",
+        type=Path,
+        metavar="DIR",
+        help="disaggregated serving: OUT is a --prefill-only export whose KV cache is handed to "
+        "the decode graph of DIR (a --decode-only export with the same cache layout)",
+    )
+    r.add_argument(
+        "--skip-shard-check",
+        action="store_true",
+        help="do not check the shards' sizes, sha256 and byte ranges against manifest.json "
+        "(a shard changed after export then goes unnoticed)",
+    )
+    sv = sub.add_parser(
+        "serve", help="continuous batching of requests over an export with --full-batch-size"
+    )
+    sv.add_argument("out", type=Path, help="an export folder (written with --full-batch-size)")
+    sv.add_argument(
+        "--requests",
+        type=Path,
+        required=True,
+        metavar="FILE.jsonl",
+        help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images}, "
+        "max_new_tokens (16), arrival (the step it joins at, 0)",
+    )
+    sv.add_argument(
+        "--skip-shard-check",
+        action="store_true",
+        help="do not check the shards against manifest.json",
+    )
+    v = sub.add_parser("verify", help="onnxruntime vs ref on every graph and specialization")
+    v.add_argument("out", type=Path, help="an export folder")
+    v.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
+    v.add_argument(
+        "--skip-shard-check",
+        action="store_true",
+        help="do not check the shards' sizes, sha256 and byte ranges against manifest.json",
+    )
+    _kit_parsers(sub)
+    return p
+
+
+def _kit_parsers(sub):
+    """`vectors` and `plan`: the kernel author's kit (codegen/vectors.py, codegen/plan.py)."""
+    from codegen.vectors import ATTENTION_MODES, OPS
+
+    def common(q, ops):
+        q.add_argument("--op", choices=ops, default="attention", help="the op (attention)")
+        q.add_argument(
+            "--mode",
+            metavar="MODE",
+            help=f"attention only: {', '.join(ATTENTION_MODES)} (default dense); block counts "
+            "left out take the mode's defaults in ref.blocking.TABLE",
+        )
+        q.add_argument(
+            "--opt",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="an option of the op (repeatable): sizes, mask (q_start, sliding_window, "
+            "vision, softcap, scale), any BlockingConfig field; see docs/blocking.md",
+        )
+        for name in ("batch", "heads", "kv_heads", "seq", "ctx", "head_dim"):
+            flag = "--" + name.replace("_", "-")
+            q.add_argument(flag, dest=f"size_{name}", metavar="N", help=f"same as --opt {name}=N")
+
+    vec = sub.add_parser("vectors", help="golden vectors of one op (safetensors + JSON)")
+    common(vec, OPS)
+    vec.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    vec.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
+    vec.add_argument("--fp16", action="store_true", help="add float16 inputs and out_f16")
+    vec.add_argument("--bf16", action="store_true", help="add bfloat16 inputs and out_bf16")
+    pl = sub.add_parser("plan", help="one attention mode's schedule: cost table and picture")
+    common(pl, ("attention",))
+    pl.add_argument("--png", type=Path, help="draw the schedule to this PNG file")
+    pl.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="q/k/v/o precision for the byte counts (default float16)",
+    )
