@@ -544,3 +544,80 @@ def test_rep_chunks_uneven_batch_blocks_config_and_call_errors():
         with pytest.raises(ValueError) as err:
             blocked(q, k, v, q_pos, kv_pos, **kwargs)
         assert str(err.value) == message
+
+
+def test_input_checks_name_the_bad_value():
+    """Every refusal of `reference` and `blocked`, word for word: non-finite q/k/v and
+    positions below −1 at their first index, each position/group array's shape, a k batch that
+    is not q's, batch_fold's cache layout and rows, query heads not a multiple of kv heads."""
+    rng = np.random.default_rng(15)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 2, 4, 2, 3, 6, 4, np.float64, scenario="chunk", vision=False
+    )
+    q_group, kv_group = np.zeros_like(q_pos), np.zeros_like(kv_pos)
+    opts = dict(mode="kv", num_kv_blocks=2)
+
+    def spoil(x, index, value):
+        x = np.array(x)
+        x[index] = value
+        return x
+
+    shapes = "for q (2, 4, 3, 4) and k (2, 2, 6, 4)"
+    finite, position = ": expected finite values", ": expected −1 (padding) or ≥ 0"
+    cases = [
+        ((spoil(q, (1, 2, 0, 3), np.nan), k, v, q_pos, kv_pos), {}, f"q[1, 2, 0, 3] = nan{finite}"),
+        ((q, spoil(k, (0, 1, 5, 0), np.inf), v, q_pos, kv_pos), {}, f"k[0, 1, 5, 0] = inf{finite}"),
+        (
+            (q, k, spoil(v, (1, 0, 2, 2), -np.inf), q_pos, kv_pos),
+            {},
+            f"v[1, 0, 2, 2] = -inf{finite}",
+        ),
+        ((q, k, v, spoil(q_pos, (1, 2), -2), kv_pos), {}, f"q_pos[1, 2] = -2{position}"),
+        ((q, k, v, q_pos, spoil(kv_pos, (0, 4), -3)), {}, f"kv_pos[0, 4] = -3{position}"),
+        (
+            (q, k, v, q_pos[:, :2], kv_pos),
+            {},
+            f"q_pos has shape (2, 2); expected (2, 3) {shapes}",
+        ),
+        (
+            (q, k, v, q_pos, kv_pos[:1]),
+            {},
+            f"kv_pos has shape (1, 6); expected (2, 6) {shapes}",
+        ),
+        (
+            (q, k, v, q_pos, kv_pos),
+            dict(q_group=q_group[:, :1], kv_group=kv_group),
+            f"q_group has shape (2, 1); expected (2, 3) {shapes}",
+        ),
+        (
+            (q, k, v, q_pos, kv_pos),
+            dict(q_group=q_group, kv_group=kv_group[:, None]),
+            f"kv_group has shape (2, 1, 6); expected (2, 6) {shapes}",
+        ),
+    ]
+    for args, extra, message in cases:
+        for fn, kw in ((reference, {}), (blocked, opts)):
+            with pytest.raises(ValueError) as err:
+                fn(*args, **extra, **kw)
+            assert str(err.value) == message, fn.__name__
+    k1, v1 = k[:1], v[:1]
+    with pytest.raises(ValueError) as err:
+        blocked(q, k1, v1, q_pos, kv_pos, **opts)
+    assert str(err.value) == "k batch 1 does not match q batch 2"
+    with pytest.raises(ValueError) as err:
+        reference(q, k1, v1, q_pos, kv_pos)
+    assert str(err.value) == "k batch 1 does not match q batch 2"
+    with pytest.raises(ValueError) as err:
+        blocked(q, k, v, q_pos, kv_pos, batch_fold=True, **opts)
+    assert str(err.value) == "batch_fold expects a cache [1, B·Hkv, T, D], got k (2, 2, 6, 4)"
+    with pytest.raises(ValueError) as err:
+        blocked(q, fold(k)[:, :3], fold(v)[:, :3], q_pos, kv_pos, batch_fold=True, **opts)
+    assert str(err.value) == "batch_fold cache rows 3 are not a multiple of batch 2"
+    got = blocked(q, fold(k), fold(v), q_pos, kv_pos, batch_fold=True, **opts)
+    assert rel_err(got, reference(q, k, v, q_pos, kv_pos)) <= 1e-12
+    with pytest.raises(ValueError) as err:
+        blocked(q[:, :3], k, v, q_pos, kv_pos, **opts)
+    assert str(err.value) == "query heads 3 must be a multiple of kv heads 2"
+    with pytest.raises(ValueError) as err:
+        blocked(q, k[:, :0], v[:, :0], q_pos, kv_pos, **opts)
+    assert str(err.value) == "query heads 4 must be a multiple of kv heads 0"

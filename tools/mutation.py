@@ -6,7 +6,11 @@ So each module runs in its own scratch copy of the project, build/mutation/<modu
 pyproject.toml has the `[tool.mutmut]` section of this repository (process isolation, timeouts)
 plus that module's `source_paths`, `only_mutate` and test selection. The repository itself is
 never modified; the scratch copy stays afterwards for `mutmut results` / `mutmut show NAME`
-(run them inside it). Every run starts from a fresh copy, so a score never mixes old results.
+(run them inside it). Every run starts from a fresh copy, so a score never mixes old results,
+unless `--resume`: then, if the mutated module's tree (e.g. all of ref/) is byte-identical to
+the scratch copy's, only the tests and docs are refreshed and mutmut goes on with the mutants
+it has not checked, then re-checks the survivors. A killed mutant stays killed (tests were
+only added since); a changed module tree always starts afresh.
 
 Hypothesis runs under the `mutation` profile (tests/conftest.py): derandomized, no example
 database, so a mutant's verdict does not depend on earlier runs. JAX keeps a persistent
@@ -95,6 +99,31 @@ def scratch_copy(module):
     return work
 
 
+def same_tree(a, b):
+    """True when the .py files under a and b are the same names with the same bytes."""
+
+    def files(root):
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*.py")}
+
+    return b.exists() and files(a) == files(b)
+
+
+def refresh_tests(module):
+    """The scratch copy of `module` with today's tests and docs, its mutants and verdicts kept;
+    None when there is none or the module's tree changed since (then a fresh run is needed)."""
+    work = SCRATCH / module.replace("/", "_").removesuffix(".py")
+    top = module.split("/")[0]
+    if not (work / "mutants").exists() or not same_tree(ROOT / top, work / top):
+        return None
+    skip = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache")
+    for tree in ("tests", "docs"):
+        for base in (work, work / "mutants"):
+            if (base / tree).exists():
+                shutil.rmtree(base / tree)
+                shutil.copytree(ROOT / tree, base / tree, ignore=skip)
+    return work
+
+
 def counts(work):
     """Status → number of mutants, from `mutmut results --all true`."""
     out = subprocess.run(
@@ -112,8 +141,12 @@ def counts(work):
     return tally, [ln.strip() for ln in out.splitlines() if ln.endswith(": survived")]
 
 
-def run(module, max_children):
-    work = scratch_copy(module)
+def run(module, max_children, resume=False):
+    work = refresh_tests(module) if resume else None
+    if resume and work is None:
+        print(f"{module}: no scratch copy with the same sources to resume; starting afresh")
+    work = work or scratch_copy(module)
+    _, survivors = counts(work) if resume and (work / "mutants").exists() else ({}, [])
     # Each mutant runs in a fresh fork that would compile every JAX op again; a persistent
     # compilation cache (kept across modules and runs) cuts that to a disk read.
     env = dict(
@@ -126,9 +159,11 @@ def run(module, max_children):
     )
     mutmut = str(Path(sys.executable).parent / "mutmut")
     start = time.monotonic()
-    subprocess.run(
-        [mutmut, "run", "--max-children", str(max_children)], cwd=work, env=env, check=True
-    )
+    command = [mutmut, "run", "--max-children", str(max_children)]
+    subprocess.run(command, cwd=work, env=env, check=True)
+    if survivors:  # resumed: the survivors of the earlier run meet the tests added since
+        names = [line.rsplit(": ", 1)[0] for line in survivors]
+        subprocess.run(command + names, cwd=work, env=env, check=True)
     seconds = time.monotonic() - start
     tally, survivors = counts(work)
     return work, seconds, tally, survivors
@@ -138,13 +173,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"default: all of {', '.join(MODULES)}")
     parser.add_argument("--max-children", type=int, default=2)
+    parser.add_argument(
+        "--resume", action="store_true", help="go on with an earlier run's scratch copy"
+    )
     args = parser.parse_args()
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         raise SystemExit(f"unknown module(s) {unknown}; known: {', '.join(MODULES)}")
     rows = []
     for module in args.modules or list(MODULES):
-        work, seconds, tally, survivors = run(module, args.max_children)
+        work, seconds, tally, survivors = run(module, args.max_children, args.resume)
         total = sum(tally.values())
         killed = tally.get("killed", 0)
         rows.append((module, total, killed, tally, seconds, work, survivors))
