@@ -8,18 +8,18 @@ from codegen.cli import blocking_modes, parser
 
 def _run_kit(args):
     """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
-    from codegen import plan, vectors
+    from codegen import plan, vector_options, vectors
 
     sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
     try:
-        given = vectors.parse_pairs(args.opt + [f"{k}={v}" for k, v in sizes])
+        given = vector_options.parse_pairs(args.opt + [f"{k}={v}" for k, v in sizes])
         if args.command == "vectors":
             low = [p for p, on in (("float16", args.fp16), ("bfloat16", args.bf16)) if on]
             meta = vectors.write(args.out, args.op, args.mode, given, seed=args.seed, low=low)
             print(vectors.summary(meta))
             print(f"wrote {args.out / 'vectors.safetensors'} and {args.out / 'vectors.json'}")
             return 0
-        mode, options = vectors.resolve(args.op, args.mode, given)
+        mode, options = vector_options.resolve(args.op, args.mode, given)
         result = plan.report(mode, options, args.dtype)
         print(result["table"])
         if args.png is not None:

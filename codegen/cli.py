@@ -340,7 +340,7 @@ def parser():
 
 def _kit_parsers(sub):
     """`vectors` and `plan`: the kernel author's kit (codegen/vectors.py, codegen/plan.py)."""
-    from codegen.vectors import ATTENTION_MODES, OPS
+    from codegen.vector_options import ATTENTION_MODES, OPS
 
     def common(q, ops):
         q.add_argument("--op", choices=ops, default="attention", help="the op (attention)")

@@ -28,7 +28,12 @@ import json
 import jax
 import numpy as np
 
-from codegen.vectors import attention_mask, attention_positions, attention_sizes, blocking_config
+from codegen.vector_options import (
+    attention_mask,
+    attention_positions,
+    attention_sizes,
+    blocking_config,
+)
 from ref.blocking import Plan, ranges
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -97,7 +102,7 @@ def dense_plan(batch, heads, kv_heads, queries, cache_len):
 
 
 def make_plan(mode, options):
-    """The plan of an attention mode for resolved options (`codegen.vectors.resolve`)."""
+    """The plan of an attention mode for resolved options (`codegen.vector_options.resolve`)."""
     b, h, hkv, s, t, _ = attention_sizes(options)
     config = blocking_config(mode, options)
     if config is None:

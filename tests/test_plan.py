@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from codegen import plan as kit
-from codegen import vectors
+from codegen import vector_options
 from codegen.__main__ import main
 from tests.test_vectors import visible_numpy
 
@@ -83,10 +83,10 @@ def brute_force(plan, visible, sizes, itemsize):
 
 @pytest.mark.parametrize("mode, given", CASES, ids=lambda x: str(x))
 def test_costs_equal_a_brute_force_count_over_the_tiles(mode, given):
-    mode, options = vectors.resolve("attention", mode, SMALL | given)
+    mode, options = vector_options.resolve("attention", mode, SMALL | given)
     report = kit.report(mode, options, "float16")
-    sizes = vectors.attention_sizes(options)
-    q_pos, kv_pos, q_group, kv_group = vectors.attention_positions(options)
+    sizes = vector_options.attention_sizes(options)
+    q_pos, kv_pos, q_group, kv_group = vector_options.attention_positions(options)
     visible = visible_numpy(q_pos, kv_pos, q_group, kv_group, options["sliding_window"])
     assert (report["visible"] == visible).all()
     want = brute_force(report["plan"], visible, sizes, 2)
@@ -108,7 +108,7 @@ def test_costs_equal_a_brute_force_count_over_the_tiles(mode, given):
 
 
 def test_skip_kv_skips_exactly_the_blocks_nobody_sees():
-    mode, options = vectors.resolve(
+    mode, options = vector_options.resolve(
         "attention", "qkv", SMALL | {"skip_kv": "true", "sliding_window": "2", "num_kv_blocks": "5"}
     )
     report = kit.report(mode, options)
@@ -131,7 +131,9 @@ def test_png_is_drawn_with_every_tile_of_the_plan(tmp_path, capsys):
     with Image.open(png) as image:
         info = json.loads(image.text["Description"])
         assert image.size[0] > 500 and image.size[1] > 300
-    _, options = vectors.resolve("attention", "hqkv", {"seq": "4", "ctx": "8", "skip_kv": "true"})
+    _, options = vector_options.resolve(
+        "attention", "hqkv", {"seq": "4", "ctx": "8", "skip_kv": "true"}
+    )
     plan = kit.make_plan("hqkv", options)
     want = len(plan.batch) * sum(len(reps) for *_, reps in plan.heads) * len(plan.q) * len(plan.kv)
     assert info["tiles"] == info["tiles_total"] == want == 16

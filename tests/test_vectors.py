@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from codegen import vectors
+from codegen import vector_options, vectors
 from codegen.__main__ import main
 from ref.attention import reference
 from ref.blocking import mode as blocking_mode
@@ -120,11 +120,11 @@ def test_attention_vectors_equal_numpy_and_ref(mode, given):
         assert list(t[name].shape) == info["shape"] and str(t[name].dtype) == info["dtype"]
 
 
-@pytest.mark.parametrize("mode", [m for m in vectors.ATTENTION_MODES if m != "dense"])
+@pytest.mark.parametrize("mode", [m for m in vector_options.ATTENTION_MODES if m != "dense"])
 def test_every_mode_resolves_to_a_ref_config_with_its_default_blocks(mode):
-    resolved, options = vectors.resolve("attention", mode, {"seq": "4", "ctx": "8"})
-    config = vectors.blocking_config(resolved, options)
-    blocking = {k: v for k, v in options.items() if k in vectors.BLOCKING_OPTIONS}
+    resolved, options = vector_options.resolve("attention", mode, {"seq": "4", "ctx": "8"})
+    config = vector_options.blocking_config(resolved, options)
+    blocking = {k: v for k, v in options.items() if k in vector_options.BLOCKING_OPTIONS}
     assert config.mode == mode and blocking == blocking_mode(mode).defaults
     assert config.plan(2, 4, 2, 4, 8).q
 

@@ -1,0 +1,254 @@
+"""The options of each golden-vector op (`python -m codegen vectors --op OP --opt k=v`): their
+declaration (default, kind, help), parsing and resolution against a blocking mode's defaults,
+and the attention problem (sizes, positions, mask) the resolved options describe."""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from ref import cache
+from ref.attention import mask
+from ref.blocking import MODES, BlockingConfig
+from ref.blocking import mode as blocking_mode
+
+OPS = ("attention", "cache_update", "vision_attention", "pool", "rope2d")
+ATTENTION_MODES = ("dense", *MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One `--opt` of an op: its default, its kind (int, float, bool, grids) and what it sets;
+    optional ones also take `none`."""
+
+    default: object
+    kind: str
+    help: str
+    optional: bool = False
+
+
+def _sizes(**defaults):
+    helps = {
+        "batch": "B, batch rows",
+        "heads": "H, query heads",
+        "kv_heads": "Hkv, kv heads (kv head j serves query heads j*g .. j*g+g-1)",
+        "seq": "S, queries of the call",
+        "ctx": "T, cache slots",
+        "head_dim": "D, channels per head",
+    }
+    return {name: Option(value, "int", helps[name]) for name, value in defaults.items()}
+
+
+def _blocking_options():
+    """Every `BlockingConfig` field but mode, as options (the config is their one home)."""
+    out = {}
+    for field in dataclasses.fields(BlockingConfig):
+        if field.name == "mode":
+            continue
+        kind = "bool" if isinstance(field.default, bool) else "int"
+        out[field.name] = Option(None, kind, "ref.blocking.BlockingConfig", kind == "int")
+    return out
+
+
+BLOCKING_OPTIONS = _blocking_options()
+_GRIDS_HELP = "items' (h, w) patch grids, e.g. 3x3,3x6"
+
+OPTIONS = {
+    "attention": {
+        **_sizes(batch=2, heads=4, kv_heads=2, seq=8, ctx=16, head_dim=8),
+        "q_start": Option(
+            None,
+            "int",
+            "row 0's first query position (default ctx - seq); row b starts b earlier, "
+            "positions below 0 are padding (-1); the cache is linear (slot t = position t)",
+            True,
+        ),
+        "sliding_window": Option(None, "int", "W: keys with q_pos - kv_pos < W", True),
+        "softcap": Option(None, "float", "c: scores become c*tanh(s/c)", True),
+        "scale": Option(1.0, "float", "score scale (Gemma 4: 1.0)"),
+        "vision": Option(0, "int", "length of one vision run in each row's chunk (0: none)"),
+        "vision_offset": Option(1, "int", "first query of the vision run"),
+        **BLOCKING_OPTIONS,
+    },
+    "cache_update": {
+        **_sizes(batch=2, kv_heads=2, seq=4, ctx=16, head_dim=8),
+        "empty": Option(1, "int", "slots per row set to -1 (write nothing)"),
+    },
+    "vision_attention": {
+        "grids": Option("3x3,3x6", "grids", _GRIDS_HELP + ", sides multiples of 3"),
+        "budget": Option(4, "int", "soft-token budget: pad to budget*9 patches (filler)", True),
+        **_sizes(heads=4, kv_heads=2, head_dim=8),
+        "varlen": Option(False, "bool", "ref computes per item over cu_seqlens, not by mask"),
+    },
+    "pool": {
+        "grids": Option("3x6,6x3", "grids", _GRIDS_HELP + ", sides multiples of 3"),
+        "budget": Option(None, "int", "soft-token budget (filler tokens pool the filler)", True),
+        "hidden": Option(8, "int", "D, channels"),
+        "scale": Option(None, "float", "output scale (default sqrt(hidden), as the tower)", True),
+    },
+    "rope2d": {
+        "grids": Option("3x6", "grids", _GRIDS_HELP + " (positions x = column, y = row)"),
+        **_sizes(heads=2, head_dim=8),
+        "theta": Option(100.0, "float", "RoPE base (Gemma 4 vision: 100)"),
+    },
+}
+
+
+def _parse_value(name, option, text):
+    """`text` as the option's kind; ValueError naming the option and the value."""
+    low = text.strip().lower()
+    if option.optional and low == "none":
+        return None
+    try:
+        if option.kind == "bool":
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError
+            return low in ("true", "1")
+        if option.kind == "int":
+            return int(low)
+        if option.kind == "float":
+            value = float(low)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        grids = tuple(_grid(g) for g in low.split(",") if g)
+        if not grids:
+            raise ValueError
+        return ",".join(f"{h}x{w}" for h, w in grids)
+    except ValueError:
+        expected = {"bool": "true or false", "int": "an integer", "float": "a finite number"}
+        want = expected.get(option.kind, "HxW grids such as 3x3,3x6")
+        none = " or none" if option.optional else ""
+        raise ValueError(f"option {name}={text!r}: expected {want}{none}") from None
+
+
+def _grid(text):
+    h, x, w = text.partition("x")
+    if not (x and h.isdigit() and w.isdigit()):
+        raise ValueError(text)
+    return int(h), int(w)
+
+
+def grids(text):
+    """'3x3,3x6' → ((3, 3), (3, 6))."""
+    return tuple(_grid(g) for g in text.split(","))
+
+
+def parse_pairs(pairs):
+    """['k=v', ...] → {k: 'v'}; ValueError on a pair without '=' or a key given twice."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--opt {pair!r}: expected key=value")
+        if key in out:
+            raise ValueError(f"--opt {key} given twice ({out[key]!r} and {value!r})")
+        out[key] = value
+    return out
+
+
+def resolve(op, mode=None, given=None):
+    """Every option of `op` with its value: defaults, the mode's block counts (attention:
+    `ref.blocking.TABLE`), then `given` ({name: text}). Returns (mode, options)
+    with options in declared order; blocking options only where set. ValueError names any
+    unknown op, mode or option, or a value of the wrong kind."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    if op == "attention":
+        mode = "dense" if mode is None else mode
+        if mode not in ATTENTION_MODES:
+            raise ValueError(
+                f"unknown attention mode {mode!r}; expected one of {', '.join(ATTENTION_MODES)}"
+            )
+    elif mode is not None:
+        raise ValueError(f"--mode {mode!r} is only for --op attention, not --op {op}")
+    known = OPTIONS[op]
+    given = dict(given or {})
+    for name in given:
+        if name not in known:
+            raise ValueError(
+                f"unknown option {name!r} for --op {op}; expected one of {', '.join(known)}"
+            )
+    parsed = {name: _parse_value(name, known[name], text) for name, text in given.items()}
+    options = {}
+    for name, option in known.items():
+        if name in BLOCKING_OPTIONS:
+            continue
+        options[name] = parsed.get(name, option.default)
+        if option.kind == "int" and options[name] is not None and options[name] < 0:
+            raise ValueError(f"option {name}={options[name]}: expected an integer >= 0")
+    if op == "attention":
+        blocking = {k: v for k, v in parsed.items() if k in BLOCKING_OPTIONS}
+        if mode == "dense" and blocking:
+            name, value = next(iter(blocking.items()))
+            raise ValueError(f"option {name}={value} is not used by mode 'dense' (no blocks)")
+        if mode != "dense":
+            options |= {**blocking_mode(mode).defaults, **blocking}
+    return mode, options
+
+
+def blocking_config(mode, options):
+    """The `BlockingConfig` of an attention mode and its resolved options (None for dense)."""
+    if mode == "dense":
+        return None
+    return BlockingConfig(mode=mode, **{k: v for k, v in options.items() if k in BLOCKING_OPTIONS})
+
+
+def attention_sizes(options):
+    """(B, H, Hkv, S, T, D) from resolved attention options, checked to be ≥ 1 and GQA."""
+    names = ("batch", "heads", "kv_heads", "seq", "ctx", "head_dim")
+    sizes = tuple(options[n] for n in names)
+    for name, value in zip(names, sizes, strict=True):
+        if value < 1:
+            raise ValueError(f"option {name}={value}: expected an integer >= 1")
+    if sizes[1] % sizes[2]:
+        raise ValueError(f"heads={sizes[1]} must be a multiple of kv_heads={sizes[2]}")
+    return sizes
+
+
+def attention_positions(options):
+    """Positions of a chunk in a linear cache → q_pos, q_group [B, S], kv_pos, kv_group [B, T]
+    int32 (groups None without a vision run).
+
+    Row b's queries sit at q_start − b + s (below 0: padding, −1); slot t holds position t,
+    filled up to the row's last query (`ref.cache.causal_positions`). A vision run (id 0) covers
+    queries vision_offset … vision_offset + vision − 1 and the slots of their positions.
+    """
+    b, _, _, s, t, _ = attention_sizes(options)
+    start = t - s if options["q_start"] is None else options["q_start"]
+    if start + s > t:
+        raise ValueError(
+            f"q_start={start} with seq={s} runs past the cache of ctx={t} slots: "
+            f"expected q_start <= {t - s}"
+        )
+    q_pos = start - np.arange(b)[:, None] + np.arange(s)
+    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    kv_pos = np.asarray(cache.causal_positions(jnp.asarray(q_pos), t), np.int32)
+    n, offset = options["vision"], options["vision_offset"]
+    if not n:
+        return q_pos, kv_pos, None, None
+    if offset + n > s:
+        raise ValueError(
+            f"vision={n} at vision_offset={offset} does not fit the {s} queries: a run must "
+            "lie inside one chunk"
+        )
+    q_group = np.full((b, s), -1, np.int32)
+    q_group[:, offset : offset + n] = np.where(q_pos[:, offset : offset + n] >= 0, 0, -1)
+    run = np.where(q_group == 0, q_pos, -2)
+    kv_group = np.where((kv_pos[:, :, None] == run[:, None, :]).any(-1), 0, -1).astype(np.int32)
+    return q_pos, kv_pos, q_group, kv_group
+
+
+def attention_mask(options):
+    """ref's mask for these options → visible [B, S, T] bool (numpy)."""
+    q_pos, kv_pos, q_group, kv_group = attention_positions(options)
+    m = mask(
+        q_pos,
+        kv_pos,
+        sliding_window=options["sliding_window"],
+        q_group=q_group,
+        kv_group=kv_group,
+    )
+    return np.asarray(m)[:, 0]
