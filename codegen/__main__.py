@@ -8,7 +8,7 @@ from codegen.cli import blocking_modes, parser
 
 def _run_kit(args):
     """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
-    from codegen import plan, vector_options, vectors
+    from codegen import plan, plan_draw, vector_options, vectors
 
     sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
     try:
@@ -23,7 +23,7 @@ def _run_kit(args):
         result = plan.report(mode, options, args.dtype)
         print(result["table"])
         if args.png is not None:
-            info = plan.draw(args.png, result, options)
+            info = plan_draw.draw(args.png, result, options)
             print(f"wrote {args.png} ({info['tiles']} of {info['tiles_total']} tiles drawn)")
     except ValueError as e:
         print(f"python -m codegen {args.command}: error: {e}", file=sys.stderr)

@@ -23,22 +23,17 @@ block run at once. Loops run one after another, so the total peak is the largest
 """
 
 import dataclasses
-import json
 
 import jax
-import numpy as np
 
 from codegen.vector_options import (
     attention_mask,
-    attention_positions,
     attention_sizes,
     blocking_config,
 )
 from ref.blocking import Plan, ranges
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-_ALL_ROWS, _SOME_ROWS, _PADDING = "#6baed6", "#c6dbef", "#e0e0e0"
-_STATUS_COLORS = {"computed": "none", "empty": "#fdae6b", "skipped": "#bdbdbd"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,29 +145,29 @@ def schedule(plan, visible, hkv):
     return tuple(tiles)
 
 
-def _span(r):
+def span(r):
     return r[1] - r[0]
 
 
 def loop_cost(tiles, parallel, head_dim, itemsize):
     """Cost of one loop's tiles (see the module docstring for the model) → Cost."""
     first = tiles[0]
-    heads = _span(first.batch) * _span(first.kv_heads)
-    rows = heads * _span(first.reps) * _span(first.q)
+    heads = span(first.batch) * span(first.kv_heads)
+    rows = heads * span(first.reps) * span(first.q)
     state = rows * (head_dim + 2)
     work = [t for t in tiles if t.status != "skipped"]
-    scores = sum(rows * _span(t.kv) for t in work)
+    scores = sum(rows * span(t.kv) for t in work)
     pieces = sum(len(t.pieces) for t in work)
     if parallel:
         combine = rows * pieces if pieces > 1 else 0
         live, peak = 0, state
         for t in work:
             live += len(t.pieces)
-            peak = max(peak, rows * _span(t.kv) + live * state)
+            peak = max(peak, rows * span(t.kv) + live * state)
     else:
         combine = rows * (len(work) - 1) if work else 0
-        peak = max([state] + [rows * _span(t.kv) + state for t in work])
-    kv_bytes = sum(2 * heads * _span(t.kv) * head_dim for t in work)
+        peak = max([state] + [rows * span(t.kv) + state for t in work])
+    kv_bytes = sum(2 * heads * span(t.kv) * head_dim for t in work)
     return Cost(
         computed=sum(t.status == "computed" for t in tiles),
         empty=sum(t.status == "empty" for t in tiles),
@@ -212,7 +207,7 @@ def _si(x):
     return str(x)
 
 
-def _r(r):
+def range_text(r):
     return f"{r[0]}:{r[1]}"
 
 
@@ -224,7 +219,7 @@ _HEADER = (
 
 def _row(label, tile, cost):
     where = ("", "", "", "") if tile is None else (tile.batch, tile.kv_heads, tile.reps, tile.q)
-    where = tuple(w if isinstance(w, str) else _r(w) for w in where)
+    where = tuple(w if isinstance(w, str) else range_text(w) for w in where)
     tiles = f"{cost.computed}/{cost.empty}/{cost.skipped}"
     return (
         f"{label:>5} {where[0]:>6} {where[1]:>9} {where[2]:>5} {where[3]:>8} {tiles:>12} "
@@ -233,7 +228,8 @@ def _row(label, tile, cost):
     )
 
 
-def _ratio(a, b):
+def ratio(a, b):
+    """a / b to three decimals ("-" for b = 0)."""
     return f"{a / b:.3f}" if b else "-"
 
 
@@ -248,11 +244,11 @@ def table(title, tiles, per, total, dense, max_rows=48):
         lines.append(_row(str(i + 1), group[0], cost))
     lines.append(_row("total", None, total))
     lines.append(_row("dense", None, dense))
-    ratio = " ".join(
-        f"{name} {_ratio(getattr(total, name), getattr(dense, name))}"
+    ratios = " ".join(
+        f"{name} {ratio(getattr(total, name), getattr(dense, name))}"
         for name in ("qk_flops", "pv_flops", "exps", "bytes", "peak")
     )
-    lines.append(f"{'':>5} blocked/dense: {ratio}")
+    lines.append(f"{'':>5} blocked/dense: {ratios}")
     lines.append(
         "tiles c/e/s: computed / computed but fully masked / skipped (skip_kv); q/kv: query\n"
         "heads j*g + r, r in this range, of each kv head j; peak B: live float32 scores + states"
@@ -303,180 +299,3 @@ def report(mode, options, dtype="float16"):
         "title": title,
         "table": table(title, tiles, per, total, dense_cost),
     }
-
-
-def _panels(tiles):
-    """Tiles grouped by (batch, kv heads, query-head range): one picture panel each."""
-    out = {}
-    for t in tiles:
-        out.setdefault((t.batch, t.kv_heads, t.reps), []).append(t)
-    return list(out.items())
-
-
-def _panel_title(key, plan, group):
-    batch, (j0, j1), (r0, r1) = key
-    if plan.batch_fold:
-        where = f"folded rows {j0}:{j1} (b*Hkv + j)"
-    else:
-        where = f"batch {_r(batch)}, kv heads {j0}:{j1}"
-    if (r0, r1) == (0, group):
-        return f"{where}, q heads {j0 * group}:{j1 * group}"
-    return f"{where}, q heads {j0 * group + r0}:{j0 * group + r1}"
-
-
-def _draw_panel(ax, tiles, plan, visible, padding, t_len):
-    """One panel: visible [rows, S, T] of the block's batch rows, padding [S] (every row's
-    query is −1), its tiles, numbers and flow arrows → number of tiles drawn."""
-    from matplotlib import colors
-    from matplotlib.patches import Rectangle
-
-    s_len = visible.shape[1]
-    merge = plan.parallel and len(plan.kv) * plan.split > 1
-    margin = max(1.5, 0.18 * t_len) if merge else 0
-    seen = visible.sum(0)
-    shade = np.where(seen == visible.shape[0], 2, np.minimum(seen, 1))
-    cmap = colors.ListedColormap(["white", _SOME_ROWS, _ALL_ROWS])
-    ax.imshow(shade, cmap=cmap, vmin=0, vmax=2, extent=(0, t_len, s_len, 0), aspect="auto")
-    for s in np.flatnonzero(padding):
-        ax.axhspan(s, s + 1, color=_PADDING, zorder=0.5)
-    drawn = 0
-    size = 9 if len(tiles) <= 8 else 7
-    for t in tiles:
-        (q0, q1), (t0, t1) = t.q, t.kv
-        face = _STATUS_COLORS[t.status]
-        hatch = "///" if t.status == "skipped" else None
-        rect = Rectangle(
-            (t0, q0), t1 - t0, q1 - q0, facecolor=face, edgecolor="black", lw=1.6, hatch=hatch
-        )
-        rect.set_alpha(None if face == "none" else 0.75)
-        rect.set_gid("tile")
-        ax.add_patch(rect)
-        drawn += 1
-        for a, _ in t.pieces[1:]:
-            ax.plot([a, a], [q0, q1], ls="--", color="black", lw=1.0)
-        xc, yc = (t0 + t1) / 2, (q0 + q1) / 2
-        label = str(t.order) + (f"\n{len(t.pieces)} pieces" if len(t.pieces) > 1 else "")
-        ax.text(xc, yc, label, ha="center", va="center", fontsize=size, weight="bold")
-    _draw_flow(ax, tiles, plan, t_len, margin)
-    ax.set_xlim(0, t_len + margin)
-    ax.set_ylim(s_len, 0)
-    ax.set_xticks(sorted({0, t_len, *(t.kv[0] for t in tiles)}))
-    ax.set_yticks(sorted({0, s_len, *(t.q[0] for t in tiles)}))
-    ax.tick_params(labelsize=7)
-    return drawn
-
-
-def _draw_flow(ax, tiles, plan, t_len, margin):
-    """Arrows: (m, l, O) carried from KV block to KV block, or every block into one merge."""
-    arrow = dict(arrowstyle="->", color="#d62728", lw=1.3)
-    by_loop = {}
-    for t in tiles:
-        by_loop.setdefault(t.loop, []).append(t)
-    for group in by_loop.values():
-        q0, q1 = group[0].q
-        y = q0 + 0.72 * (q1 - q0)
-        if not plan.parallel:
-            for a, b in zip(group, group[1:], strict=False):
-                reach = min(0.35 * _span(a.kv), 0.35 * _span(b.kv), 2.0)
-                x = a.kv[1]
-                ax.annotate("", xy=(x + reach, y), xytext=(x - reach, y), arrowprops=arrow)
-            continue
-        if not margin:
-            continue
-        box = (t_len + 0.5 * margin, (q0 + q1) / 2)
-        frame = {"boxstyle": "round", "fc": "#fee0d2", "ec": "#d62728"}
-        ax.text(*box, "merge", ha="center", va="center", fontsize=7, rotation=90, bbox=frame)
-        for t in group:
-            for a, c in t.pieces:
-                ax.annotate(
-                    "",
-                    xy=(box[0] - 0.3 * margin, box[1]),
-                    xytext=((a + c) / 2, y),
-                    arrowprops={**arrow, "connectionstyle": "arc3,rad=-0.15", "lw": 0.9},
-                )
-
-
-def draw(path, result, options, max_panels=16):
-    """Draw the schedule to a PNG at `path`; returns {"tiles": drawn, "tiles_total": ...,
-    "panels": drawn, "panels_total": ...} (also written into the PNG's Description)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.patches import Patch
-
-    plan, tiles, visible = result["plan"], result["tiles"], result["visible"]
-    _, h, hkv, s, t_len, _ = attention_sizes(options)
-    q_pos = attention_positions(options)[0]
-    panels = _panels(tiles)
-    shown = panels[:max_panels]
-    aspect = min(t_len / s, 2.5)
-    cols = min(len(shown), 2 if aspect > 1.4 else 3)
-    rows = -(-len(shown) // cols)
-    width = 2.6 + 2.2 * aspect
-    fig, axes = plt.subplots(
-        rows,
-        cols,
-        figsize=(max(cols * width, 8.5), rows * 3.0 + 1.6),
-        squeeze=False,
-        layout="constrained",
-    )
-    drawn = 0
-    for ax, (key, group) in zip(axes.flat, shown, strict=False):
-        r0, r1 = group[0].rows
-        padding = (q_pos[r0:r1] < 0).all(0)
-        drawn += _draw_panel(ax, group, plan, visible[r0:r1], padding, t_len)
-        ax.set_title(_panel_title(key, plan, h // hkv) + f" (mask rows {r0}:{r1})", fontsize=8)
-        ax.set_xlabel("key slot (slot t holds position t)", fontsize=7)
-        ax.set_ylabel("query", fontsize=7)
-    for ax in axes.flat[len(shown) :]:
-        ax.axis("off")
-    more = "" if len(shown) == len(panels) else f"; first {len(shown)} of {len(panels)} panels"
-    total, dense = result["total"], result["dense"]
-    summary = (
-        f"{len(tiles)} tiles; FLOPs {_ratio(total.qk_flops + total.pv_flops, dense.qk_flops * 2)}"
-        f" of dense, bytes {_ratio(total.bytes, dense.bytes)}, peak working memory "
-        f"{_ratio(total.peak, dense.peak)}{more}"
-    )
-    fig.suptitle(
-        _wrap(result["title"], int(max(cols * width, 8.5) * 13)) + "\n" + summary, fontsize=9
-    )
-    legend = [
-        Patch(facecolor=_ALL_ROWS, label="visible (query, key) pair, every batch row"),
-        Patch(facecolor=_SOME_ROWS, label="visible in some of the block's batch rows"),
-        Patch(facecolor="white", edgecolor="black", label="tile computed (number = order)"),
-        Patch(facecolor=_STATUS_COLORS["empty"], edgecolor="black", label="computed, fully masked"),
-        Patch(facecolor=_STATUS_COLORS["skipped"], hatch="///", edgecolor="black", label="skipped"),
-        Patch(facecolor=_PADDING, label="padding query (-1)"),
-    ]
-    flow = "red arrows: (m, l, O) carried to the next KV block"
-    if plan.parallel:
-        flow = "red arrows: independent pieces/blocks merged once (dashed: pieces, one per core)"
-    fig.legend(
-        handles=legend,
-        loc="outside lower center",
-        ncol=3,
-        fontsize=7,
-        title=flow,
-        title_fontsize=7,
-    )
-    info = {
-        "tiles": drawn,
-        "tiles_total": len(tiles),
-        "panels": len(shown),
-        "panels_total": len(panels),
-    }
-    fig.savefig(path, dpi=90, metadata={"Software": None, "Description": json.dumps(info)})
-    plt.close(fig)
-    return info
-
-
-def _wrap(text, width=120):
-    words, lines, line = text.split(" "), [], ""
-    for w in words:
-        if line and len(line) + len(w) + 1 > width:
-            lines.append(line)
-            line = w
-        else:
-            line = f"{line} {w}".strip()
-    return "\n".join([*lines, line])
