@@ -1,5 +1,5 @@
 """The Gemma 4 language model as QAIC graphs: `prefill` and `decode`, each one call of
-`ref.gemma4.text.apply_step` with the KV cache as retained state.
+`ref.gemma4.step.apply_step` with the KV cache as retained state.
 
 I/O follows QEfficient's Gemma 4 language graph (`QEffGemma4DecoderWrapper`): `input_ids`,
 `position_ids` (−1 = padding), `vision_embeds`, `image_idx` (prefill only),
@@ -27,6 +27,7 @@ from codegen.graphs import (
 from ref.attention import blocked, reference
 from ref.gemma4 import text as T
 from ref.gemma4.params import nested, text_param_shapes
+from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import SLIDING
 from weights import check_shapes
 
@@ -237,7 +238,7 @@ def model_graph(
             batch_index = head[-1] if full_batch_size is not None else None
             kind = lambda module: kinds[module.layer]  # noqa: E731
             with nn.intercept_methods(route_layers(T.DecoderLayer, routed, kind)):
-                out = T.apply_step(
+                out = apply_step(
                     params,
                     lm_head,
                     cache,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ref.gemma4 import Gemma4
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import chunk_bounds, image_runs
-from ref.gemma4.text import step
+from ref.gemma4.step import step
 from tests.hf_vision import patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_generate, hf_model, prompt, text_config
 

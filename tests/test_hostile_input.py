@@ -18,7 +18,7 @@ from codegen.export import ExportOptions, export
 from ref.attention import blocked, reference
 from ref.gemma4 import Gemma4, VisionTower
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.text import step
+from ref.gemma4.step import step
 
 VOCAB = DEFAULT_CONFIG["text_config"]["vocab_size"]
 BAD_FLOATS = st.sampled_from([np.nan, np.inf, -np.inf])

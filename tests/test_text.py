@@ -24,7 +24,8 @@ from ref.gemma4.model import (
     chunk_bounds,
     image_runs,
 )
-from ref.gemma4.text import merge_vision, step, vision_runs
+from ref.gemma4.step import step
+from ref.gemma4.text import merge_vision, vision_runs
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.rope import rope_inv_freq
 from tests.hf_vision import hf_padded_inputs, patches_for, tree_of

@@ -1,7 +1,7 @@
 """`Gemma4`: the vision-language model end to end — images through the packed vision tower,
 chunked prefill of the prompt, greedy decode — with a blocked-attention mode per phase.
 
-The chunk schedule is host-side numpy; every step is `ref.gemma4.text.step` on fixed shapes
+The chunk schedule is host-side numpy; every step is `ref.gemma4.step.step` on fixed shapes
 ([B, S] prefill chunks, [B, 1] decode tokens), the same step a compiled graph runs.
 """
 
@@ -16,7 +16,7 @@ from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
 from ref.gemma4.images import GEMMA4_TOKENS, expand_prompt, num_soft_tokens, prompt_tokens
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.text import step
+from ref.gemma4.step import step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
 

@@ -9,6 +9,7 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 
+from ref.attention import reference
 from ref.gemma4 import text as T
 from ref.gemma4 import vision as V
 from ref.gemma4.attention_stack import AttentionLayer
@@ -71,4 +72,4 @@ def text_param_shapes(cfg):
     """{checkpoint name: shape} of the whole text decoder (`model.language_model.…`)."""
     ids = jnp.zeros((1, 1), jnp.int32)
     cache = init_cache(cfg, 1, 2, slots_only=True)
-    return _shapes(T.TextModel(cfg), ids, ids, cache, None, None, T.reference, prefix=TEXT)
+    return _shapes(T.TextModel(cfg), ids, ids, cache, None, None, reference, prefix=TEXT)
