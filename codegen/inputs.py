@@ -11,7 +11,8 @@ import numpy as np
 
 from codegen.runtime import Request, RunError, Runner
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.images import expand_prompt, num_soft_tokens, preprocess, prompt_tokens
+from ref.gemma4.images import num_soft_tokens, preprocess
+from ref.gemma4.prompts import expand_prompt, prompt_tokens
 
 
 def read_image(path):

@@ -16,6 +16,7 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import (
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
 from ref.gemma4 import images as gi
+from ref.gemma4 import prompts as gp
 from ref.gemma4.packing import pack, pack_patches
 from tests.hf_processor import WORDS, hf_processor, word_tokenizer
 
@@ -247,7 +248,7 @@ def test_video_matches_transformers(tokenizer, total, size, budget, patch_size, 
 
     prompt = "look at <|video|> ."
     text = make_processor(tokenizer, 70, 16, video)(text=[prompt], videos=[frames], **LAST)
-    expanded = gi.expand_prompt(prompt, videos=[(times, gi.num_soft_tokens(grids)[0])])
+    expanded = gp.expand_prompt(prompt, videos=[(times, gi.num_soft_tokens(grids)[0])])
     assert ids_of(tokenizer, expanded) == list(text["input_ids"][0])
 
 
@@ -304,7 +305,7 @@ def ids_of(tokenizer, text):
 
 def test_placeholders_are_the_tokenizer_s(tokenizer):
     proc = make_processor(tokenizer, 70, 16)
-    t = gi.GEMMA4_TOKENS
+    t = gp.GEMMA4_TOKENS
     assert (proc.image_token, proc.boi_token, proc.eoi_token, proc.video_token) == (
         t.image_token,
         t.boi_token,
@@ -329,14 +330,14 @@ def test_expanded_prompt_matches_transformers(tokenizer, sizes_, words, budget, 
     expected = list(out["input_ids"][0])
 
     soft = gi.num_soft_tokens(gi.preprocess(images, budget, patch_size=4)[1]) if images else []
-    tokens = gi.PromptTokens(
+    tokens = gp.PromptTokens(
         image_token_id=tokenizer.image_token_id,
         boi_token_id=tokenizer.convert_tokens_to_ids("<|image>"),
         eoi_token_id=tokenizer.convert_tokens_to_ids("<image|>"),
         video_token_id=proc.video_token_id,
     )
-    assert ids_of(tokenizer, gi.expand_prompt(prompt, soft)) == expected
-    assert gi.expand_prompt(ids_of(tokenizer, prompt), soft, tokens=tokens).tolist() == expected
+    assert ids_of(tokenizer, gp.expand_prompt(prompt, soft)) == expected
+    assert gp.expand_prompt(ids_of(tokenizer, prompt), soft, tokens=tokens).tolist() == expected
 
 
 @settings(max_examples=40)
@@ -358,15 +359,15 @@ def test_video_prompt_matches_transformers(tokenizer, total, num_frames, n, fps,
     prompt = " ".join(words) + " <|video|> ."
     expanded = proc.get_text_with_replacements([prompt], videos_replacements=[replacement])[0]
     times = [int(i) / (fps or 24.0) for i in index]
-    assert gi.expand_prompt(prompt, videos=[(times, n)]) == expanded[0]
+    assert gp.expand_prompt(prompt, videos=[(times, n)]) == expanded[0]
 
-    tokens = gi.PromptTokens(
+    tokens = gp.PromptTokens(
         image_token_id=tokenizer.image_token_id,
         boi_token_id=tokenizer.convert_tokens_to_ids("<|image>"),
         eoi_token_id=tokenizer.convert_tokens_to_ids("<image|>"),
         video_token_id=proc.video_token_id,
     )
-    ours = gi.expand_prompt(
+    ours = gp.expand_prompt(
         ids_of(tokenizer, prompt),
         videos=[(times, n)],
         tokens=tokens,
@@ -376,15 +377,15 @@ def test_video_prompt_matches_transformers(tokenizer, total, num_frames, n, fps,
 
 
 def test_timestamps_are_minutes_and_seconds_without_hours():
-    assert [gi.timestamp(s) for s in (0, 59.99, 60, 3725.5)] == ["00:00", "00:59", "01:00", "62:05"]
+    assert [gp.timestamp(s) for s in (0, 59.99, 60, 3725.5)] == ["00:00", "00:59", "01:00", "62:05"]
 
 
 def test_prompt_errors():
     with pytest.raises(ValueError, match="2 image placeholders but 1 images"):
-        gi.expand_prompt("<|image|> <|image|>", [70])
+        gp.expand_prompt("<|image|> <|image|>", [70])
     with pytest.raises(ValueError, match="0 video placeholders but 1 videos"):
-        gi.expand_prompt("text", videos=[([0.0], 70)])
+        gp.expand_prompt("text", videos=[([0.0], 70)])
     with pytest.raises(ValueError, match="tokenize"):
-        gi.expand_prompt([258_884], videos=[([0.0], 70)])
+        gp.expand_prompt([258_884], videos=[([0.0], 70)])
     with pytest.raises(ValueError, match=r"shape \(1, 2\)"):
-        gi.expand_prompt(np.zeros((1, 2), np.int64), [])
+        gp.expand_prompt(np.zeros((1, 2), np.int64), [])

@@ -14,8 +14,9 @@ import numpy as np
 from ref import validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
-from ref.gemma4.images import GEMMA4_TOKENS, expand_prompt, num_soft_tokens, prompt_tokens
+from ref.gemma4.images import num_soft_tokens
 from ref.gemma4.kv_cache import init_cache
+from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt, prompt_tokens
 from ref.gemma4.step import step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
