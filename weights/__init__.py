@@ -4,6 +4,7 @@ Headers are indexed first and validated as untrusted input; tensors are memory-m
 one at a time; parameter trees keep the checkpoint's own names, split on ".".
 """
 
+from weights.blocks import LazyTensor, read_block
 from weights.checkpoint import (
     Checkpoint,
     check_shapes,
@@ -31,10 +32,12 @@ __all__ = [
     "check_shapes",
     "TensorInfo",
     "dtype_code",
+    "LazyTensor",
     "load_checkpoint",
     "numpy_dtype",
     "open_checkpoint",
     "plan_shards",
+    "read_block",
     "read_header",
     "read_metadata",
     "read_tensor",

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from weights.blocks import LazyTensor
 from weights.errors import CheckpointError
 from weights.safetensors import (
     MAX_HEADER_BYTES,
@@ -49,10 +50,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: no tensor {name!r} in the checkpoint")
         return read_tensor(self.tensors[name])
 
-    def tree(self, prefix: str = "") -> dict:
+    def tree(self, prefix: str = "", *, lazy: bool = False) -> dict:
         """Nested dict of arrays keyed by the names split on "."; `prefix` selects and strips.
 
         `tree("model.vision_tower")` is the vision tower alone, keyed from "encoder", ...
+        lazy: leaves are `LazyTensor`s (nothing read until a block is asked for) instead of
+        memory-mapped arrays.
         """
         if prefix and not prefix.endswith("."):
             prefix += "."
@@ -77,7 +80,7 @@ class Checkpoint:
                     f"{self.dir}: tensor {name!r} is also the group of other tensors; "
                     "a name cannot be both a tensor and a group"
                 )
-            node[leaf] = self.read(name)
+            node[leaf] = LazyTensor(self.tensors[name]) if lazy else self.read(name)
         return tree
 
     def require(self, expected: dict[str, tuple[int, ...]]) -> None:
@@ -187,10 +190,14 @@ def open_checkpoint(model_dir) -> Checkpoint:
     return Checkpoint(dir=model_dir, config=config, tensors=tensors, shards=shards)
 
 
-def load_checkpoint(model_dir) -> tuple[dict, dict]:
-    """-> (config dict, nested parameter tree keyed by the checkpoint's names split on ".")."""
+def load_checkpoint(model_dir, *, lazy: bool = False) -> tuple[dict, dict]:
+    """-> (config dict, nested parameter tree keyed by the checkpoint's names split on ".").
+
+    lazy: leaves are `LazyTensor`s whose blocks are read from their byte ranges on demand
+    (what a device mesh loads slice by slice) instead of memory-mapped arrays.
+    """
     checkpoint = open_checkpoint(model_dir)
-    return checkpoint.config, checkpoint.tree()
+    return checkpoint.config, checkpoint.tree(lazy=lazy)
 
 
 def plan_shards(nbytes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:

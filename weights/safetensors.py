@@ -297,8 +297,8 @@ def _read_file_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return infos, meta or {}
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """One tensor, memory-mapped read-only: pages are read when touched, bit-exact."""
+def _readable(info: TensorInfo) -> np.dtype:
+    """The numpy dtype of a tensor `info` describes consistently, or CheckpointError."""
     if DTYPES.get(info.dtype, (0, None))[1] is None:
         _fail(
             info.file,
@@ -313,17 +313,23 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
             f"TensorInfo holds {info.nbytes} bytes at {info.offset}, needs {want}",
             info.name,
         )
-    if want == 0:
+    return dt
+
+
+def _shrunk(info: TensorInfo, size: int) -> NoReturn:
+    _fail(info.file, f"file is {size} bytes, shorter than when its header was read", info.name)
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor, memory-mapped read-only: pages are read when touched, bit-exact."""
+    dt = _readable(info)
+    if info.nbytes == 0:
         return np.zeros(info.shape, dt)
     with open_regular(info.file) as f:
         st = os.fstat(f.fileno())
         if info.offset + info.nbytes > st.st_size:
             # Mapping past the end would fault (SIGBUS) on first touch.
-            _fail(
-                info.file,
-                f"file is {st.st_size} bytes, shorter than when its header was read",
-                info.name,
-            )
+            _shrunk(info, st.st_size)
         mapping = _map_file(f, st)
     count = math.prod(info.shape)
     return np.frombuffer(mapping, dt, count, info.offset).reshape(info.shape)
