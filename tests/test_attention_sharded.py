@@ -2,10 +2,9 @@
 equals the dense reference (float64, ≤ 1e-12 relative). Runs in a subprocess because the device
 count is fixed when jax starts."""
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from tests.util import run_on_host_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -54,21 +53,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_head_parallel_sharded_over_four_devices():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=root,
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().endswith("OK"), proc.stdout
-    print(proc.stdout)
+    print(run_on_host_devices(SCRIPT, 4))

@@ -1,5 +1,9 @@
 """Small helpers shared by the test modules (one home each)."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 
@@ -20,3 +24,22 @@ def vision_runs(rng, n):
             run += 1
         i += length
     return ids
+
+
+def run_on_host_devices(script, devices):
+    """Run `script` (Python source) in a fresh interpreter with `devices` CPU devices (the count
+    is fixed when jax starts) from the repository root; → its stdout. Fails the test with the
+    output unless it exits 0 and its last line is "OK"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=root,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("OK"), proc.stdout
+    return proc.stdout

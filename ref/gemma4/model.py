@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ref import validate
+from ref import sharding, validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
 from ref.gemma4.images import num_soft_tokens
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt, prompt_tokens
-from ref.gemma4.step import step
+from ref.gemma4.step import apply_step, check_step_values, step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
 
@@ -72,12 +72,25 @@ def chunk_bounds(length, runs, chunk_size):
     return bounds
 
 
+@partial(jax.jit, static_argnames=("config", "attention", "last_only", "mesh"))
+def sharded_step(params, lm_head, cache, *inputs, config, attention, last_only, mesh):
+    """`apply_step` (same arguments) with the cache it returns kept in `ref.sharding`'s layout
+    on `mesh`: left to itself, XLA splits a replicated cache's head_dim instead (measured on a
+    full layer with one KV head), and the next step would compile for that layout."""
+    out = apply_step(
+        params, lm_head, cache, *inputs, config=config, attention=attention, last_only=last_only
+    )
+    return dict(out, cache=sharding.constrain(out["cache"], mesh))
+
+
 class Gemma4:
     """Gemma 4 (vision tower + text decoder) with its parameters; greedy generation.
 
     text_config: TextConfig; text_params: the checkpoint's `model.language_model` tree;
     lm_head: [V, D] or None (tied to the token embedding); vision: an object with
-    `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`).
+    `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`);
+    mesh: None (one device) or a `jax.sharding.Mesh` the parameters and the KV cache are split
+    over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`).
     """
 
     def __init__(
@@ -88,19 +101,23 @@ class Gemma4:
         vision=None,
         dtype=jnp.float32,
         tokens=GEMMA4_TOKENS,
+        mesh=None,
     ):
         self.config = text_config
         self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
-        cast = lambda a: jnp.asarray(a, self.dtype)  # noqa: E731
-        self.params = jax.tree_util.tree_map(cast, text_params)
-        self.lm_head = None if lm_head is None else cast(lm_head)
+        self.mesh = mesh
+        self.params = sharding.put(text_params, self.dtype, mesh, "model.language_model.")
+        self.lm_head = (
+            None if lm_head is None else sharding.put(lm_head, dtype, mesh, "lm_head.weight")
+        )
         self.vision = vision
 
     @classmethod
-    def from_params(cls, hf_config, params, dtype=jnp.float32):
+    def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
         """From an HF config dict and a checkpoint tree (`model.language_model.…`, optional
-        `lm_head.weight`, and `model.vision_tower`/`model.embed_vision` for images)."""
+        `lm_head.weight`, and `model.vision_tower`/`model.embed_vision` for images); mesh: see
+        the class."""
         model = params.get("model", {})
         text = model.get("language_model", model)
         if "embed_tokens" not in text or "layers" not in text:
@@ -110,16 +127,17 @@ class Gemma4:
             )
         vision = None
         if "vision_tower" in model and "embed_vision" in model:
-            vision = VisionTower.from_params(hf_config, params, dtype)
+            vision = VisionTower.from_params(hf_config, params, dtype, mesh)
         lm_head = params.get("lm_head", {}).get("weight")
         config = TextConfig.from_hf(hf_config)
-        return cls(config, text, lm_head, vision, dtype, prompt_tokens(hf_config))
+        return cls(config, text, lm_head, vision, dtype, prompt_tokens(hf_config), mesh)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype=jnp.float32):
-        """From an HF model folder, read by the checkpoint loader the `weights` package installs."""
-        hf_config, params = checkpoint_loader()(model_dir)
-        return cls.from_params(hf_config, params, dtype)
+    def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None):
+        """From an HF model folder, read by the checkpoint loader the `weights` package installs;
+        with a mesh, each device reads only its blocks from the files' byte ranges."""
+        hf_config, params = checkpoint_loader()(model_dir, lazy=mesh is not None)
+        return cls.from_params(hf_config, params, dtype, mesh)
 
     def generate(self, input_ids, patches=None, grids=None, **options):
         """Greedy generation → [B, max_new_tokens] int token ids.
@@ -208,22 +226,20 @@ class Gemma4:
         decode = attention_for(
             decode_blocking, prefill=False, batch=b, queries=1, ctx_len=min(ctx_len, ring + 1)
         )
-        cache = init_cache(self.config, b, ctx_len, self.dtype, ring=sliding_ring)
+        cache = sharding.sharded(
+            partial(init_cache, self.config, b, ctx_len, self.dtype, ring=sliding_ring), self.mesh
+        )
         cache, logits = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill)
         return self._decode(cache, logits, lengths, max_new_tokens, decode)
 
-    def _run(self, cache, ids, positions, *args, attention):
-        return step(
-            self.params,
-            self.lm_head,
-            cache,
-            jnp.asarray(ids),
-            jnp.asarray(positions),
-            *args,
-            config=self.config,
-            attention=attention,
-            last_only=True,
-        )
+    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention):
+        args = (self.params, self.lm_head, cache, jnp.asarray(ids), jnp.asarray(positions))
+        args += (vision_embeds, image_idx)
+        kw = dict(config=self.config, attention=attention, last_only=True)
+        if self.mesh is None:
+            return step(*args, **kw)
+        check_step_values(self.config, *args[2:])
+        return sharded_step(*args, **kw, mesh=self.mesh)
 
     def _prefill(self, cache, rows, schedule, seq, vision_embeds, attention):
         """Every row's chunks, chunk k of each row in step k → (cache, [B, V] logits of each

@@ -1,12 +1,12 @@
 """`VisionTower`: the packed vision tower with its parameters, and its jit-compiled forward."""
 
-from functools import partial
 from importlib.metadata import entry_points
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ref import sharding
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.images import preprocess
 from ref.gemma4.packing import pack, pack_patches
@@ -67,24 +67,28 @@ def _split_tree(params):
 class VisionTower:
     """The packed Gemma 4 vision tower with its parameters, ready to encode images."""
 
-    def __init__(self, config, params, embed_params=None, dtype=jnp.float32):
+    def __init__(self, config, params, embed_params=None, dtype=jnp.float32, mesh=None):
+        """mesh: None (one device) or a `jax.sharding.Mesh` the parameters are split over by
+        `ref.sharding.RULES`, each device's blocks read from the leaves alone."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        cast = partial(jax.tree_util.tree_map, lambda a: jnp.asarray(a, self.dtype))
-        self.params = cast(params)
-        self.embed_params = None if embed_params is None else cast(embed_params)
+        self.params = sharding.put(params, self.dtype, mesh, "model.vision_tower.")
+        self.embed_params = None
+        if embed_params is not None:
+            self.embed_params = sharding.put(embed_params, self.dtype, mesh, "model.embed_vision.")
 
     @classmethod
-    def from_params(cls, hf_config, params, dtype=jnp.float32):
+    def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
         """From an HF config dict and a checkpoint tree (vision-only or full model)."""
         vision, embed = _split_tree(params)
-        return cls(VisionConfig.from_hf(hf_config), vision, embed, dtype)
+        return cls(VisionConfig.from_hf(hf_config), vision, embed, dtype, mesh)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype=jnp.float32):
-        """From an HF model folder (config.json + safetensors), read by the `weights` package."""
-        hf_config, params = checkpoint_loader()(model_dir)
-        return cls.from_params(hf_config, params, dtype)
+    def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None):
+        """From an HF model folder (config.json + safetensors), read by the `weights` package;
+        with a mesh, each device reads only its blocks from the files' byte ranges."""
+        hf_config, params = checkpoint_loader()(model_dir, lazy=mesh is not None)
+        return cls.from_params(hf_config, params, dtype, mesh)
 
     def pack(self, patches, grids, budget=None):
         """(Packing, packed patches [N, 3·p·p]) for per-item patches and (h, w) grids."""
