@@ -621,3 +621,100 @@ def test_input_checks_name_the_bad_value():
     with pytest.raises(ValueError) as err:
         blocked(q, k[:, :0], v[:, :0], q_pos, kv_pos, **opts)
     assert str(err.value) == "query heads 4 must be a multiple of kv heads 0"
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (pjit, shard_map, scan bodies)."""
+    from jax.extend import core
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(item, core.ClosedJaxpr):
+                    yield from _eqns(item.jaxpr)
+                elif isinstance(item, core.Jaxpr):
+                    yield from _eqns(item)
+
+
+def _dtypes(variables):
+    return {np.dtype(v.aval.dtype).name for v in variables if hasattr(v.aval, "dtype")}
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        None,
+        dict(mode="kv", num_kv_blocks=3),
+        dict(mode="kv", num_kv_blocks=2, headpar_split=2),
+        dict(mode="qkv", num_q_blocks=2, num_kv_blocks=3),
+    ],
+)
+def test_precision_is_the_inputs(opts):
+    """A kernel's reference computes in its inputs' precision: float32 q/k/v → no float64
+    value anywhere (even with float64 enabled, as in these tests), so golden vectors' out_f32
+    carries float32 error; bfloat16 → bfloat16 matmuls, float32 softmax, bfloat16 out."""
+    import jax
+
+    rng = np.random.default_rng(16)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 2, 4, 2, 4, 9, 8, np.float64, scenario="chunk", vision=False
+    )
+
+    def run(q, k, v):
+        extra = dict(scale=0.5, softcap=3.0, sliding_window=4)
+        if opts is None:
+            return reference(q, k, v, q_pos, kv_pos, **extra)
+        return blocked(q, k, v, q_pos, kv_pos, **opts, **extra)
+
+    for dtype, matmul in ((jnp.float32, "float32"), (jnp.bfloat16, "bfloat16")):
+        closed = jax.make_jaxpr(run)(*(jnp.asarray(x, dtype) for x in (q, k, v)))
+        eqns = list(_eqns(closed.jaxpr))
+        floats = {d for e in eqns for d in _dtypes(e.outvars) if "float" in d}
+        assert floats == {"float32", matmul}, dtype
+        dots = [e for e in eqns if e.primitive.name == "dot_general"]
+        assert dots and all(_dtypes(e.invars) == {matmul} for e in dots), dtype
+        exps = [e for e in eqns if e.primitive.name == "exp"]
+        assert exps and all(_dtypes(e.invars) == {"float32"} for e in exps), dtype
+        assert closed.out_avals[0].dtype == dtype
+
+
+def test_online_softmax_survives_logits_past_exp_range():
+    """float32 scores spanning about ±300 across KV blocks: every update must shift by the
+    running maximum of the scores (exp overflows float32 past 88), so the blocked result equals
+    a float64 numpy softmax; also attend's default scale is 1 and a per-head mask works for one
+    query (decode) and for two query heads over one kv head."""
+    rng = np.random.default_rng(17)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, 2, 4, 2, 5, 12, 4, np.float64, scenario="chunk", vision=False
+    )
+    q32, k32, v32 = (np.asarray(x, np.float32) for x in (q * 60, k, v))
+    visible = np.asarray(mask(q_pos, kv_pos))[:, :, :, :].repeat(4, axis=1)
+    want = dense_oracle(q32, k32, v32, visible)
+    assert np.abs(want).max() > 0
+    for opts in (
+        dict(mode="kv", num_kv_blocks=4),
+        dict(mode="kv", num_kv_blocks=4, headpar_split=2),
+        dict(mode="prefill_online", prefill_block_chunks=1, num_kv_blocks=3),
+    ):
+        got = np.asarray(blocked(q32, k32, v32, q_pos, kv_pos, **opts))
+        assert np.isfinite(got).all() and rel_err(got, want) <= 2e-6, opts
+    got = np.asarray(attend(q, k, v, visible))
+    assert rel_err(got, dense_oracle(q, k, v, visible)) <= 1e-13
+    for h, hkv, s in ((6, 2, 1), (2, 1, 3)):
+        qh = rng.normal(size=(2, h, s, 4))
+        kh, vh = rng.normal(size=(2, 2, hkv, 7, 4))
+        seen = rng.random((2, h, s, 7)) < 0.6
+        got = np.asarray(attend(qh, kh, vh, seen, scale=0.8))
+        assert rel_err(got, dense_oracle(qh, kh, vh, seen, scale=0.8)) <= 1e-13, (h, hkv, s)
+
+
+def test_mask_refuses_one_group_alone():
+    """mask() itself (not only blocked) refuses q_group without kv_group, word for word."""
+    pos = np.arange(4)[None]
+    for kwargs in (dict(q_group=pos), dict(kv_group=pos)):
+        with pytest.raises(ValueError) as err:
+            mask(pos, pos, **kwargs)
+        assert str(err.value) == (
+            "q_group and kv_group must be given together (vision run ids, -1 = text)"
+        )
