@@ -4,7 +4,7 @@ run, serve, verify, vectors, plan), with the argument types that read their valu
 import argparse
 from pathlib import Path
 
-from ref.blocking import DENSE_NAMES
+from ref.blocking import DENSE_NAMES, VISION_TILES
 from ref.blocking import names as blocking_names
 
 
@@ -20,6 +20,15 @@ def _budgets(text):
         return tuple(int(b) for b in text.split(",") if b)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
+def _tiles(text):
+    """(query tiles, KV tiles) from QxKV, or Q for Q×Q."""
+    q, _, kv = text.partition("x")
+    try:
+        return int(q), int(kv or q)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected QxKV or Q, e.g. 5x5") from None
 
 
 def _mode_options(text, known):
@@ -108,6 +117,16 @@ def parser():
         help="vision soft-token "
         "budgets, one specialization each, from 70,140,280,560,1120 (default 70,140; "
         "empty: no vision graph)",
+    )
+    e.add_argument(
+        "--vision-tiles",
+        type=_tiles,
+        default=VISION_TILES,
+        metavar="QxKV",
+        help="the vision graph's attention in Q query tiles × KV tiles with the online-softmax "
+        "state, so one tile's scores are live at a time; each count must divide every "
+        "budget's num_patches (9·budget; divisors of 630 do); 1x1 = the dense segment mask "
+        f"(default {VISION_TILES[0]}x{VISION_TILES[1]})",
     )
     e.add_argument(
         "--graphs",

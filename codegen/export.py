@@ -27,6 +27,7 @@ from codegen import (
 )
 from codegen.ops import OPSET
 from codegen.trace import trace
+from ref.blocking import VISION_TILES
 from weights import open_checkpoint
 
 MANIFEST = "manifest.json"
@@ -45,6 +46,7 @@ class ExportOptions:
     out: Path
     model: Path | None = None
     budgets: tuple = (70, 140)
+    vision_tiles: tuple = VISION_TILES  # (query tiles, KV tiles) of its attention
     graphs: tuple = ("model",)  # "model" (vision, prefill, decode) and/or "attention"
     prefill_blocking: tuple = ("none", {})  # (mode, {option: value})
     decode_blocking: tuple = ("none", {})
@@ -121,7 +123,11 @@ def plan(checkpoint, opts):
         vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
         specs.append(
             vision_graph.vision_graph(
-                checkpoint.config, shapes, opts.budgets, use_functions=opts.sub_functions
+                checkpoint.config,
+                shapes,
+                opts.budgets,
+                use_functions=opts.sub_functions,
+                tiles=opts.vision_tiles,
             )
         )
     if language:
@@ -375,6 +381,7 @@ def _options_json(opts):
     d["out"] = None
     d["model"] = None if opts.model is None else str(opts.model)
     d["budgets"] = list(opts.budgets)
+    d["vision_tiles"] = list(opts.vision_tiles)
     d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]
     d["graphs"] = list(opts.graphs)
     d["phases"] = list(opts.phases)

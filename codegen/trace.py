@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import jax
+from jax import export as jax_export
 from jax2onnx import to_onnx
 from jax2onnx.plugins import plugin_system
 
@@ -44,6 +45,25 @@ def _quiet_onnx_ir():
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _shared_symbolic_scope():
+    """jax2onnx's gather lowering deep-copies its parameters, symbolic sizes included, and JAX
+    deep-copies their SymbolicScope too: once the scope has cached bounds of expressions such as
+    `floordiv(num_patches, 9)` (the vision graph's tiles), the half-built copy fails
+    (AttributeError: no `_normalization_rules`). A copied dimension must keep its scope anyway
+    (dimensions of two scopes cannot be compared), so while tracing a copy shares it."""
+    cls = jax_export.SymbolicScope
+    old = cls.__dict__.get("__deepcopy__")
+    cls.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if old is None:
+            del cls.__deepcopy__
+        else:
+            cls.__deepcopy__ = old
+
+
 def trace(spec, tensors):
     """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
     first = spec.specializations[0]["symbols"]
@@ -53,7 +73,7 @@ def trace(spec, tensors):
     ]
     args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
     _load_jax_plugins()
-    with jax.enable_x64(False), graphs.layer_scope(), _quiet_onnx_ir():
+    with jax.enable_x64(False), graphs.layer_scope(), _quiet_onnx_ir(), _shared_symbolic_scope():
         model = to_onnx(
             spec.fn,
             args,

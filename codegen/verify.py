@@ -31,8 +31,10 @@ def rebuild(entry, checkpoint):
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     o = entry["options"]
     if entry["kind"] == "vision":
+        # exports before the tiles option attended with the dense mask: one tile each way
+        tiles = o.get("tiles", (1, 1))
         return vision_graph.vision_graph(
-            checkpoint.config, shapes, o["budgets"], use_functions=False
+            checkpoint.config, shapes, o["budgets"], use_functions=False, tiles=tiles
         )
     if entry["kind"] == "attention":
         return attention_graph.attention_graph(

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from codegen.graphs import GraphError, GraphSpec, Tensor, route_layers
+from ref.blocking import VISION_TILES
 from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack
@@ -40,8 +41,10 @@ def _VISION_LAYER(module):
     return "Layer"
 
 
-def _vision_forward(cfg, prefix, names, use_functions, embed):
-    """fn(patches, positions, segment_ids, pool_index, *weights) → (embeddings,)."""
+def _vision_forward(cfg, prefix, names, use_functions, embed, *, tiles, per_item=False):
+    """fn(patches, positions, segment_ids, pool_index, *weights) → (embeddings,); attention
+    in (query, KV) `tiles`, or per item on cu_seqlens read from segment_ids (per_item: eager
+    only, for the reference)."""
 
     def fn(patches, positions, segment_ids, pool_index, *weights):
         params = nested(names, weights)
@@ -57,10 +60,23 @@ def _vision_forward(cfg, prefix, names, use_functions, embed):
                 segment_ids,
                 pool_index,
                 config=cfg,
+                cu_seqlens=cu_seqlens(segment_ids) if per_item else None,
+                tiles=tiles,
             )
         return (out["embeds"] if embed else out["pooled"],)
 
     return fn
+
+
+def cu_seqlens(segment_ids):
+    """The item offsets (static tuple) of packed segment_ids [N]: items 0, 1, … in order,
+    then filler (−1)."""
+    ids = np.asarray(segment_ids)
+    counts = np.bincount(ids[ids >= 0])
+    cu = (0, *(int(c) for c in np.cumsum(counts)))
+    if not np.array_equal(ids[: cu[-1]], np.repeat(np.arange(len(counts)), counts)):
+        raise GraphError("segment_ids are not items 0, 1, … in order followed by filler (-1)")
+    return cu
 
 
 def _vision_sample(cfg):
@@ -95,12 +111,17 @@ def _vision_sample(cfg):
     return sample
 
 
-def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=True):
+def vision_graph(
+    checkpoint_config, tensor_shapes, budgets, *, use_functions=True, tiles=VISION_TILES
+):
     """The packed vision tower over `num_patches` patches pooled to `vision_size` tokens.
 
-    tensor_shapes: {checkpoint name: shape}. One specialization per soft-token budget.
+    tensor_shapes: {checkpoint name: shape}. One specialization per soft-token budget. tiles:
+    (query tiles, KV tiles) of each layer's attention (`check_tiles`); (1, 1) is the dense
+    segment mask. The reference attends per item (cu_seqlens), not by the tiles exported.
     """
     cfg = VisionConfig.from_hf(checkpoint_config)
+    tiles = check_tiles(tiles, budgets, cfg.pooling_kernel_size**2)
     prefix = vision_prefix(tensor_shapes)
     if prefix is None:
         raise GraphError("no vision tower: missing tensor 'patch_embedder.input_proj.weight'")
@@ -123,8 +144,8 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
         {"name": f"vision_{b}", "symbols": {"num_patches": b * k2, "vision_size": b}}
         for b in budgets
     )
-    fn = _vision_forward(cfg, prefix, names, use_functions, embed)
-    plain = _vision_forward(cfg, prefix, names, False, embed)
+    fn = _vision_forward(cfg, prefix, names, use_functions, embed, tiles=tiles)
+    plain = _vision_forward(cfg, prefix, names, False, embed, tiles=tiles, per_item=True)
 
     def reference(feed, weights):
         args = [feed[t.name] for t in inputs]
@@ -134,7 +155,7 @@ def vision_graph(checkpoint_config, tensor_shapes, budgets, *, use_functions=Tru
     return GraphSpec(
         name="vision",
         kind="vision",
-        options={"budgets": list(budgets)},
+        options={"budgets": list(budgets), "tiles": list(tiles)},
         inputs=inputs,
         outputs=outputs,
         weights=names,
@@ -154,3 +175,22 @@ def check_budgets(budgets, ctx_len):
             raise GraphError(f"vision_size {b} must be < ctx_len {ctx_len}")
     if len(set(budgets)) != len(budgets):
         raise GraphError(f"budgets {list(budgets)} repeat a value")
+
+
+def check_tiles(tiles, budgets, patches_per_token):
+    """(query tiles, KV tiles) as a tuple of ints ≥ 1 that divide every budget's num_patches
+    (budget · patches_per_token), so every tile of every specialization has one static size;
+    GraphError naming the bad value otherwise."""
+    tiles = tuple(tiles)
+    if len(tiles) != 2 or not all(isinstance(t, int) and t >= 1 for t in tiles):
+        raise GraphError(f"vision tiles {list(tiles)}: expected two ints >= 1 (query, KV)")
+    for b in budgets:
+        n = b * patches_per_token
+        for name, t in zip(("query", "KV"), tiles, strict=True):
+            if n % t:
+                divisors = [d for d in range(1, 31) if n % d == 0]
+                raise GraphError(
+                    f"vision tiles {tiles[0]}x{tiles[1]}: {t} {name} tiles do not divide "
+                    f"num_patches {n} (budget {b}); counts that do, up to 30: {divisors}"
+                )
+    return tiles

@@ -50,7 +50,8 @@ def _step(state, q, k, v, mask, *, scale, softcap):
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask, scores, -jnp.inf)
-    m_new = jnp.max(scores, axis=-1, keepdims=True)
+    # lax, not jnp.max: jnp refuses a reduction over a symbolic (maybe empty) block of keys
+    m_new = jax.lax.reduce_max(scores, (scores.ndim - 1,))[..., None]
     if state is not None:
         m_new = jnp.maximum(state[0], m_new)
     # A row with no visible key yet has m' = −inf; shifting by 0 keeps exp() finite there.

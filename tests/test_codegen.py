@@ -423,6 +423,7 @@ def test_help_documents_every_option(capsys):
         "full_batch_size": "--full-batch-size",
         "num_devices": "--num-devices",
         "phases": "--prefill-only",
+        "vision_tiles": "--vision-tiles",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:

@@ -16,15 +16,24 @@ LOADER_GROUP = "gemma4_qaic.checkpoint_loaders"
 
 
 def tower_apply(
-    params, embed_params, patches, positions, segment_ids, pool_index, *, config, cu_seqlens=None
+    params,
+    embed_params,
+    patches,
+    positions,
+    segment_ids,
+    pool_index,
+    *,
+    config,
+    cu_seqlens=None,
+    tiles=(1, 1),
 ):
     """The packed tower (not compiled; `tower_forward` is its jit); `embed_params=None` skips
-    embed_vision.
+    embed_vision; tiles: (query tiles, KV tiles) of the masked attention (without cu_seqlens).
 
     patches: [N, 3·p·p]; positions: [N, 2]; segment_ids: [N]; pool_index: [M, k²] →
     {"pooled": [M, D], "hidden_states": L+1 × [N, D], "embeds": [M, text_hidden] or absent}.
     """
-    out = VisionModel(config, cu_seqlens).apply(
+    out = VisionModel(config, cu_seqlens, tiles).apply(
         {"params": params}, patches, positions, segment_ids, pool_index
     )
     if embed_params is not None:
@@ -32,7 +41,7 @@ def tower_apply(
     return out
 
 
-tower_forward = jax.jit(tower_apply, static_argnames=("config", "cu_seqlens"))
+tower_forward = jax.jit(tower_apply, static_argnames=("config", "cu_seqlens", "tiles"))
 
 
 def checkpoint_loader():

@@ -8,7 +8,9 @@ Attention runs over the packed sequence in one of two equal ways: `cu_seqlens` g
 tuple) computes each item's attention on its own slice — exact block-diagonal work, what a
 varlen kernel does, query tiles in a `lax.map`, each online over KV tiles (not exportable: that
 path is for running);
-otherwise a dense mask over `segment_ids` (static shapes, what a fixed-budget export computes).
+otherwise masks over `segment_ids` (static shapes, what a fixed-budget export computes), query
+tile × KV tile with the online-softmax state (`ref.gemma4.tiled_attention`; `tiles` (1, 1) is
+the dense mask).
 """
 
 import math
@@ -18,17 +20,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ref.attention import _finish, _step, attend
+from ref.attention import _finish, _step
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.tiled_attention import tiled_packed_attention
 from ref.layers import RMSNorm, Weight, clipped_linear, gated_mlp, linear, rms_norm
 from ref.rope import axial_rope
 
 _CLIP_NAMES = ("input_min", "input_max", "output_min", "output_max")
-
-
-def segment_mask(segment_ids):
-    """Block-diagonal mask: same item and not filler. segment_ids: [N] → [N, N] bool."""
-    return (segment_ids[:, None] == segment_ids[None, :]) & (segment_ids[:, None] >= 0)
 
 
 # Tiles of the per-item path. Each query tile runs through the item's keys KEY_TILE at a time
@@ -102,15 +100,15 @@ def item_attention(q, k, v):
     return jnp.swapaxes(out, 0, 1)
 
 
-def packed_attention(q, k, v, segment_ids, cu_seqlens=None):
+def packed_attention(q, k, v, segment_ids, cu_seqlens=None, tiles=(1, 1)):
     """Bidirectional attention inside each packed item, scale 1.
 
     q: [N, H, D]; k, v: [N, Hkv, D]; segment_ids: [N]; cu_seqlens: None or a static tuple of
-    item offsets (the filler after the last offset gets zeros, as under the mask) → [N, H, D].
+    item offsets (the filler after the last offset gets zeros, as under the mask); tiles:
+    (query tiles, KV tiles) of the masked path → [N, H, D].
     """
     if cu_seqlens is None:
-        out = attend(_heads_first(q), _heads_first(k), _heads_first(v), segment_mask(segment_ids))
-        return jnp.swapaxes(out[0], 0, 1)
+        return tiled_packed_attention(q, k, v, segment_ids, tiles)
     parts = [
         item_attention(q[start:end], k[start:end], v[start:end])
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
@@ -163,6 +161,7 @@ class Attention(nn.Module):
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
+    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -179,7 +178,7 @@ class Attention(nn.Module):
         v = rms_norm(project("v_proj", c.num_key_value_heads), None, c.rms_norm_eps)
         q = axial_rope(q, positions, c.rope_theta)
         k = axial_rope(k, positions, c.rope_theta)
-        out = packed_attention(q, k, v, segment_ids, self.cu_seqlens)
+        out = packed_attention(q, k, v, segment_ids, self.cu_seqlens, self.tiles)
         return ClippableLinear(c.hidden_size, clip, name="o_proj")(out.reshape(x.shape[0], -1))
 
 
@@ -205,13 +204,15 @@ class EncoderLayer(nn.Module):
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
+    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         """x: [N, D]; positions: [N, 2]; segment_ids: [N] → [N, D]."""
         eps = self.config.rms_norm_eps
         h = RMSNorm(eps, name="input_layernorm")(x)
-        h = Attention(self.config, self.cu_seqlens, name="self_attn")(h, positions, segment_ids)
+        attn = Attention(self.config, self.cu_seqlens, self.tiles, name="self_attn")
+        h = attn(h, positions, segment_ids)
         x = x + RMSNorm(eps, name="post_attention_layernorm")(h)
         h = MLP(self.config, name="mlp")(RMSNorm(eps, name="pre_feedforward_layernorm")(x))
         return x + RMSNorm(eps, name="post_feedforward_layernorm")(h)
@@ -222,13 +223,15 @@ class Layers(nn.Module):
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
+    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
         """x: [N, D] → (x [N, D], hidden states: tuple of L+1 arrays [N, D])."""
         states = [x]
         for i in range(self.config.num_hidden_layers):
-            x = EncoderLayer(self.config, self.cu_seqlens, name=str(i))(x, positions, segment_ids)
+            layer = EncoderLayer(self.config, self.cu_seqlens, self.tiles, name=str(i))
+            x = layer(x, positions, segment_ids)
             states.append(x)
         return x, tuple(states)
 
@@ -256,10 +259,12 @@ class Encoder(nn.Module):
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
+    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
-        return Layers(self.config, self.cu_seqlens, name="layers")(x, positions, segment_ids)
+        layers = Layers(self.config, self.cu_seqlens, self.tiles, name="layers")
+        return layers(x, positions, segment_ids)
 
 
 class VisionModel(nn.Module):
@@ -272,12 +277,14 @@ class VisionModel(nn.Module):
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
+    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, patches, positions, segment_ids, pool_index):
         c = self.config
         x = PatchEmbedder(c, name="patch_embedder")(patches, positions)
-        x, states = Encoder(c, self.cu_seqlens, name="encoder")(x, positions, segment_ids)
+        encoder = Encoder(c, self.cu_seqlens, self.tiles, name="encoder")
+        x, states = encoder(x, positions, segment_ids)
         pooled = pool(x, pool_index, math.sqrt(c.hidden_size))
         if c.standardize:
             bias = self.param("std_bias", nn.initializers.zeros, (c.hidden_size,))
