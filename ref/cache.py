@@ -26,13 +26,10 @@ def scatter(cache, new, slots):
             f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and slots [B, S]; "
             f"got new {new.shape}, slots {slots.shape}"
         )
-    # Shapes may be symbolic at export (batch, seq_len): iota and *_like instead of arange/zeros.
-    spare = jnp.concatenate([cache, jnp.zeros_like(cache[:, :, :1])], axis=2)
+    # Shapes may be symbolic at export (batch, seq_len): iota instead of arange.
     rows = lax.broadcasted_iota(jnp.int32, (b, 1, 1), 0)
     heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
-    dest = _spare_slot(slots, t)[:, None, :]
-    spare = spare.at[rows, heads, dest].set(new.astype(cache.dtype), mode="promise_in_bounds")
-    return spare[:, :, :t]
+    return _write(cache, 2, (rows, heads, _spare_slot(slots, t)[:, None, :]), new)
 
 
 def scatter_positions(cache_pos, positions, slots):
@@ -41,16 +38,23 @@ def scatter_positions(cache_pos, positions, slots):
     A slot −1 writes nothing. Returns [B, T] int (−1 = empty slot).
     """
     b, t = cache_pos.shape
-    spare = jnp.concatenate([cache_pos, jnp.full_like(cache_pos[:, :1], -1)], axis=1)
     rows = lax.broadcasted_iota(jnp.int32, (b, 1), 0)
-    dest = _spare_slot(slots, t)
-    spare = spare.at[rows, dest].set(positions.astype(cache_pos.dtype), mode="promise_in_bounds")
-    return spare[:, :t]
+    return _write(cache_pos, 1, (rows, _spare_slot(slots, t)), positions)
 
 
 def _spare_slot(slots, t):
     """Slots with every invalid one (−1, ≥ T) sent to the spare slot T."""
     return jnp.where((slots >= 0) & (slots < t), slots, t)
+
+
+def _write(array, axis, index, values):
+    """`array` with `values` set at `index` (a tuple of index arrays, the one for `axis` through
+    `_spare_slot`): one scatter into `array` plus a spare slot at the end of `axis`, which takes
+    every invalid write and is sliced away → array's shape and dtype."""
+    n = array.shape[axis]
+    spare = jnp.concatenate([array, jnp.zeros_like(lax.slice_in_dim(array, 0, 1, axis=axis))], axis)
+    spare = spare.at[index].set(values.astype(array.dtype), mode="promise_in_bounds")
+    return lax.slice_in_dim(spare, 0, n, axis=axis)
 
 
 def update(cache_k, cache_v, k_new, v_new, slots):
@@ -107,8 +111,8 @@ def unfold(cache, batch):
 
 def take_rows(tree, rows):
     """Continuous batching's read: every array of `tree` ([F, ...], one row per cache slot)
-    at the step's slots rows [B] int (−1 = no slot: reads slot 0, its result is not kept)
-    → [B, ...]."""
+    at the step's slots rows [B] int → [B, ...]. A row outside [0, F) (−1 = no slot) reads
+    the nearest slot (0 or F − 1); its result is not kept (`put_rows` drops its write)."""
 
     def take(a):
         return jnp.take(a, jnp.clip(rows, 0, a.shape[0] - 1), axis=0)
@@ -121,9 +125,6 @@ def put_rows(tree, new, rows):
     [B] int; a row −1 (or ≥ F) writes nothing; valid rows must be distinct → like `tree`."""
 
     def put(a, b):
-        f = a.shape[0]
-        spare = jnp.concatenate([a, jnp.zeros_like(a[:1])], axis=0)
-        dest = jnp.where((rows >= 0) & (rows < f), rows, f)
-        return spare.at[dest].set(b.astype(a.dtype), mode="promise_in_bounds")[:f]
+        return _write(a, 0, (_spare_slot(rows, a.shape[0]),), b)
 
     return jax.tree_util.tree_map(put, tree, new)

@@ -238,18 +238,18 @@ def test_window_keys_keeps_the_ring_dtypes():
 
 def test_take_and_put_rows_by_slot():
     """Continuous batching's slot reads and writes, against numpy indexing: −1 reads slot 0
-    (ignored) and writes nothing; out-of-range slots write nothing; other rows untouched."""
+    and ≥ F the last slot (ignored), and they write nothing; other rows untouched."""
     rng = np.random.default_rng(3)
     full = {"k": rng.standard_normal((4, 3, 5)), "pos": np.arange(20).reshape(4, 5)}
-    rows = np.array([2, -1, 0])
+    rows = np.array([2, -1, 3, 0, 9])
     got = cache.take_rows(full, rows)
-    np.testing.assert_array_equal(np.asarray(got["k"]), full["k"][[2, 0, 0]])
-    np.testing.assert_array_equal(np.asarray(got["pos"]), full["pos"][[2, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(got["k"]), full["k"][[2, 0, 3, 0, 3]])
+    np.testing.assert_array_equal(np.asarray(got["pos"]), full["pos"][[2, 0, 3, 0, 3]])
     new = {"k": rng.standard_normal((3, 3, 5)), "pos": -np.arange(15).reshape(3, 5)}
-    put = cache.put_rows(full, new, np.array([3, -1, 1]))
+    put = cache.put_rows(full, new, np.array([3, -1, 0]))
     want_k, want_pos = full["k"].copy(), full["pos"].copy()
-    want_k[3], want_k[1] = new["k"][0], new["k"][2]
-    want_pos[3], want_pos[1] = new["pos"][0], new["pos"][2]
+    want_k[3], want_k[0] = new["k"][0], new["k"][2]
+    want_pos[3], want_pos[0] = new["pos"][0], new["pos"][2]
     np.testing.assert_array_equal(np.asarray(put["k"]), want_k)
     np.testing.assert_array_equal(np.asarray(put["pos"]), want_pos)
     assert np.asarray(put["pos"]).dtype == full["pos"].dtype
