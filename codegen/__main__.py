@@ -1,4 +1,4 @@
-"""`python -m codegen export|run|serve|verify|vectors|plan`: dispatch (the grammar is in
+"""`python -m codegen export|run|serve|verify|drift|vectors|plan`: dispatch (the grammar is in
 codegen/cli.py; see `--help` of each)."""
 
 import sys
@@ -47,6 +47,35 @@ def _run_verify(folder, seed, check_shards=True):
     return 0
 
 
+def _run_precision(args):
+    from codegen.precision import precision_table, verify_precision
+
+    results = verify_precision(
+        args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
+        check_shards=not args.skip_shard_check,
+    )  # fmt: skip
+    text, bad = precision_table(results, args.precision)
+    print(text)
+    return 1 if bad else 0
+
+
+def _run_drift(args):
+    from codegen.precision import drift, drift_table
+    from ref.gemma4.model import Gemma4
+
+    if (args.out is None) == (args.model is None):
+        raise ValueError("drift: give an export folder or --model DIR (one of them)")
+    model = Gemma4.from_pretrained(args.model or args.out)
+    if model.vision is None:
+        raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")
+    rows = drift(
+        model, prompts=args.prompts, precision=args.precision, kv_dtype=args.kv_dtype,
+        max_new_tokens=args.max_new_tokens, seed=args.seed,
+    )  # fmt: skip
+    print(drift_table(rows, args.precision, args.kv_dtype))
+    return 0
+
+
 def main(argv=None):
     try:
         args = parser().parse_args(argv)
@@ -57,8 +86,12 @@ def main(argv=None):
     from codegen.export import ExportOptions, export, summary
 
     try:
+        if args.command == "verify" and args.precision is not None:
+            return _run_precision(args)
         if args.command == "verify":
             return _run_verify(args.out, args.seed, not args.skip_shard_check)
+        if args.command == "drift":
+            return _run_drift(args)
         if args.command == "run":
             from codegen.inputs import main as run_main
 

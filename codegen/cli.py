@@ -252,6 +252,13 @@ def parser():
     )
     e.add_argument("--hw-version", default="ai100", help="-aic-hw-version (default ai100)")
     e.add_argument(
+        "--clip-fp16",
+        action="store_true",
+        help="clamp to the float16 range each weight that leaves it and the known overflow "
+        "points (the vision standardize step), as QEfficient's FP16ClipTransform clips "
+        "initializers; recorded per graph in manifest.json (default off)",
+    )
+    e.add_argument(
         "--no-hash",
         dest="hash_shards",
         action="store_false",
@@ -353,6 +360,30 @@ def parser():
         action="store_true",
         help="do not check the shards' sizes, sha256 and byte ranges against manifest.json",
     )
+    v.add_argument(
+        "--precision",
+        choices=("float16", "fp16", "bfloat16", "bf16"),
+        help="instead: run ref and the graphs as the device computes them in this format "
+        "(ref.numerics): per layer the largest |x| and headroom, the error to float32, exit 1 "
+        "naming the first tensor that turns non-finite",
+    )
+    v.add_argument(
+        "--kv-dtype",
+        choices=("float16", "bfloat16", "mxint8", "float32"),
+        help="with --precision: the KV cache's storage format (QAIC's --kv-dtype)",
+    )
+    d = sub.add_parser("drift", help="greedy tokens: float32 ref vs the device's precision")
+    d.add_argument("out", type=Path, nargs="?", help="an export folder (or --model)")
+    d.add_argument("--model", type=Path, help="an HF checkpoint folder instead of an export")
+    d.add_argument("--prompts", type=int, default=8, help="random prompts with an image (8)")
+    d.add_argument("--max-new-tokens", type=int, default=8, help="tokens per prompt (8)")
+    d.add_argument(
+        "--precision", choices=("float16", "fp16", "bfloat16", "bf16"), default="float16"
+    )
+    d.add_argument(
+        "--kv-dtype", choices=("float16", "bfloat16", "mxint8", "float32"), default="float16"
+    )
+    d.add_argument("--seed", type=int, default=0, help="random prompt seed (default 0)")
     _kit_parsers(sub)
     return p
 

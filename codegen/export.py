@@ -25,6 +25,7 @@ from codegen import (
     qaic,
     vision_graph,
 )
+from codegen.clip import clip_fp16
 from codegen.ops import OPSET
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
@@ -71,6 +72,7 @@ class ExportOptions:
     hash_shards: bool = True
     force: bool = False
     verify: bool = True
+    clip_fp16: bool = False  # codegen.clip: clamp out-of-range weights and known overflow points
 
     def validate(self):
         """Raise ExportError for an option value no export could use."""
@@ -216,6 +218,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
         weight_spec = f"{spec.name}.weights.json"
         ws = external.as_inputs(model, spec.weights, checkpoint.tensors, spec.name, checkpoint.dir)
         _atomic_text(os.path.join(folder, weight_spec), json.dumps(ws, indent=2) + "\n")
+    clipped = clip_fp16(model, spec.weights, checkpoint.read) if opts.clip_fp16 else None
     path = os.path.join(folder, f"{spec.name}.onnx")
     data = model.SerializeToString(deterministic=True)
     _atomic_text(path, data)
@@ -245,6 +248,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
         "kind": spec.kind,
         "options": spec.options,
         "weights_mode": opts.weights,
+        "clip_fp16": clipped,
         "weight_spec": weight_spec,
         "sub_functions": bool(model.functions),
         "functions": _function_names(model),

@@ -424,6 +424,7 @@ def test_help_documents_every_option(capsys):
         "num_devices": "--num-devices",
         "phases": "--prefill-only",
         "vision_tiles": "--vision-tiles",
+        "clip_fp16": "--clip-fp16",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:

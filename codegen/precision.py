@@ -1,0 +1,402 @@
+"""What the device will compute, before compiling: `verify --precision` and `drift`.
+
+Both run the device model of `ref.numerics` (every tensor stored in the compute format, each
+operation computing at float32 from stored operands and rounding once; the KV cache stored
+in `--kv-dtype` between steps). `verify --precision` runs it twice per graph and
+specialization, on `verify`'s sample inputs: on `ref` (the exported composition's jaxpr,
+`ref.numerics.probe`, named by module path) and on the exported ONNX graph itself (functions
+inlined, a rounding Cast pair after every float tensor, every tensor an output, in
+onnxruntime float32 — named by ONNX tensor). What it proves: under that model of the device,
+on these inputs, no tensor of the graph QAIC compiles leaves the format's range (or names
+the first that does), with the headroom left per layer and the error to float32. What it
+cannot prove: that QAIC keeps no op in another precision, or inputs unlike these.
+`drift` compares greedy tokens of float32 `ref` with the device model over random prompts
+with images.
+"""
+
+import os
+import zlib
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import onnx.inliner
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from codegen import graphs
+from codegen.verify import read_manifest, rebuild
+from ref import numerics
+from ref.gemma4.model import Gemma4
+from ref.gemma4.step import apply_step
+from ref.gemma4.tower import tower_apply
+from weights import open_checkpoint
+
+_ONNX_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def layer_of(path):
+    """The layer a module path belongs to: up to its first index ("encoder.layers.0"), else
+    its first part ("patch_embedder", "VisionModel")."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+# --- the exported graph in the device's format ---------------------------------------------
+
+
+def _float_tensors(model):
+    """Names of the float32 tensors of an inlined model: its float inputs, then every node's
+    float outputs in node order (types from ONNX shape inference)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    typed = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    typed.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.output})
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [
+        v.name
+        for v in model.graph.input
+        if v.name not in inits and v.type.tensor_type.elem_type == TensorProto.FLOAT
+    ]
+    made = [o for n in model.graph.node for o in n.output if typed.get(o) == TensorProto.FLOAT]
+    return inputs, made
+
+
+def device_graph(model, precision):
+    """The exported graph as the device computes it: functions inlined, every float32 input
+    and node result rounded to `precision` by a Cast pair, every rounded tensor an output.
+    model: an onnx ModelProto (external data not loaded) → (ModelProto, probed tensor names
+    in node order)."""
+    model = onnx.inliner.inline_local_functions(model)
+    inputs, made = _float_tensors(model)
+    to = _ONNX_TYPES[precision]
+    graph = model.graph
+    renamed = {name: f"{name}/exact" for name in inputs}
+    for node in graph.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+        node.output[:] = [f"{o}/exact" if o in made else o for o in node.output]
+    nodes = list(graph.node)
+    rounding = {}
+    for name in [*inputs, *made]:
+        rounding[name] = [
+            helper.make_node("Cast", [f"{name}/exact" if name in made else name], [f"{name}/low"],
+                             to=to, name=f"{name}/to_low"),
+            helper.make_node("Cast", [f"{name}/low"], [name if name in made else renamed[name]],
+                             to=TensorProto.FLOAT, name=f"{name}/to_float"),
+        ]  # fmt: skip
+    ordered = [c for name in inputs for c in rounding[name]]
+    for node in nodes:
+        ordered.append(node)
+        ordered += [c for o in node.output if o.endswith("/exact") for c in rounding[o[:-6]]]
+    del graph.node[:]
+    graph.node.extend(ordered)
+    outputs = {o.name for o in graph.output}
+    for name in made:
+        if name not in outputs:
+            graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    return model, made
+
+
+def _device_session(entry, folder, precision):
+    """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
+    rewritten file sits in the folder (its external data paths are relative) while loading."""
+    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+    model, names = device_graph(model, precision)
+    path = os.path.join(folder, f".precision.{entry['name']}.onnx")
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]), names
+    finally:
+        os.remove(path)
+
+
+def first_nonfinite_onnx(values, names, producers):
+    """The first probed tensor (node order) that turned non-finite — NaN anywhere, or inf made
+    from finite inputs — as "name (Op of input, …)", or None. values: {name: array};
+    producers: {name: the node that makes it}."""
+    finite = {n: bool(np.isfinite(v).all()) for n, v in values.items()}
+    readers = {}
+    for node in {id(n): n for n in producers.values()}.values():
+        for i in node.input:
+            readers.setdefault(i, []).append(node.op_type)
+    for name in names:
+        node = producers[name]
+        # an inf read only by Clips (`export --clip-fp16`) is clamped before it spreads
+        clamped = readers.get(name) and set(readers[name]) == {"Clip"}
+        if np.isnan(values[name]).any() or (
+            not finite[name] and not clamped and all(finite.get(i, True) for i in node.input)
+        ):
+            return f"{name!r} ({node.op_type} of {', '.join(repr(i) for i in node.input)})"
+    return None
+
+
+# --- verify --precision ----------------------------------------------------------------------
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    return err / scale if scale else err
+
+
+def verify_precision(folder, precision, *, kv_dtype=None, seed=0, check_shards=True):
+    """Every graph and specialization of an export in `precision` (KV inputs and retained
+    outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
+    layers [(layer, max |x|)], onnx_max, first nonfinite (ref: Record or None; onnx: name or
+    None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`."""
+    precision = numerics.format_name(precision)
+    kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    folder = os.path.abspath(folder)
+    manifest = read_manifest(folder, check_shards=check_shards)
+    checkpoint = open_checkpoint(folder)
+    results = []
+    for entry in manifest["graphs"]:
+        # the reference attends densely (one tile): the same math, a shorter jaxpr to probe
+        spec = rebuild(dict(entry, options=dict(entry["options"], tiles=(1, 1))), checkpoint)
+        session, names = _device_session(entry, folder, precision)
+        onnx_model = onnx.inliner.inline_local_functions(
+            onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+        )
+        producers = {o: n for n in onnx_model.graph.node for o in n.output}
+        weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+        retained_in = {a for a, _ in spec.retained}
+        retained_out = {b for _, b in spec.retained}
+        for s in spec.specializations:
+            rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
+            feed = spec.sample(s["symbols"], rng)
+            if kv is not None:
+                feed = {
+                    k: np.asarray(numerics.store(v, kv)) if k in retained_in else v
+                    for k, v in feed.items()
+                }
+            args = [feed[t.name] for t in spec.inputs] + weights
+            with graphs.layer_scope():
+                exact = jax.jit(spec.fn)(*args)
+                low, records = numerics.probe(spec.fn, precision, *args)
+            names_out = [o.name for o in session.get_outputs()]
+            got = dict(zip(names_out, session.run(None, feed), strict=True))
+            errors = []
+            for t, want, mine in zip(spec.outputs, exact, low, strict=True):
+                theirs = got[t.name]
+                if kv is not None and t.name in retained_out:
+                    mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
+                errors.append((t.name, _rel(mine, want), _rel(theirs, want)))
+            layers = {}
+            for r in records:
+                key = layer_of(r.name)
+                layers[key] = max(layers.get(key, 0.0), r.max_abs)
+            probed = {n: got[n] for n in names}
+            results.append(
+                {
+                    "graph": spec.name,
+                    "specialization": s["name"],
+                    "layers": list(layers.items()),
+                    "onnx_max": max(
+                        float(np.max(np.abs(v[np.isfinite(v)]), initial=0)) for v in probed.values()
+                    ),
+                    "ref_nonfinite": next((r for r in records if r.nonfinite), None),
+                    "onnx_nonfinite": first_nonfinite_onnx(probed, names, producers),
+                    "errors": errors,
+                    "clipped": bool((entry.get("clip_fp16") or {}).get("tensors")),
+                }
+            )
+    return results
+
+
+def _table(head, rows):
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]
+    )
+
+
+def precision_table(results, precision):
+    """The `verify --precision` report: per graph, specialization and layer the largest |x|
+    and the headroom to the format's largest finite value; the first non-finite tensor; the
+    outputs' relative error to float32 (`ref` in the format, and the ONNX graph in it)."""
+    precision = numerics.format_name(precision)
+    top = numerics.finite_max(precision)
+
+    def headroom(peak):
+        return f"{top / peak:.3g}x" if peak else "-"
+
+    layer_rows, error_rows, bad, notes = [], [], [], []
+    for r in results:
+        where = (r["graph"], r["specialization"])
+        layer_rows += [(*where, name, f"{peak:.4g}", headroom(peak)) for name, peak in r["layers"]]
+        layer_rows.append((*where, "(onnx, every tensor)", f"{r['onnx_max']:.4g}",
+                           headroom(r["onnx_max"])))  # fmt: skip
+        error_rows += [(*where, o, f"{a:.2e}", f"{b:.2e}") for o, a, b in r["errors"]]
+        ref_bad, onnx_bad = r["ref_nonfinite"], r["onnx_nonfinite"]
+        if ref_bad is not None:
+            line = (
+                f"{r['graph']}/{r['specialization']}: ref: {ref_bad.primitive} "
+                f"{list(ref_bad.shape)} in {ref_bad.name or '(top)'} turns non-finite"
+            )
+            # an --clip-fp16 export: ref has no clamps, the graph's own verdict is the onnx one
+            (notes if r["clipped"] else bad).append(line)
+        if onnx_bad is not None:
+            bad.append(f"{r['graph']}/{r['specialization']}: onnx: tensor {onnx_bad} "
+                       "turns non-finite")  # fmt: skip
+    text = [
+        f"{precision}: largest finite {top:g}",
+        _table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
+        "",
+        _table(
+            ("graph", "specialization", "output", f"ref {precision} err", f"onnx {precision} err"),
+            error_rows,
+        ),
+    ]
+    text += ["", *bad] if bad else ["", f"no tensor of the graphs leaves the {precision} range"]
+    text += [f"{n} (clamped in the graph by --clip-fp16)" for n in notes]
+    return "\n".join(text), bad
+
+
+# --- drift: greedy tokens, float32 against the device model ---------------------------------
+
+
+@partial(jax.jit, static_argnames=("config", "attention", "precision", "kv_dtype"))
+def _device_step(params, lm_head, cache, *inputs, config, attention, precision, kv_dtype):
+    step = partial(apply_step, config=config, attention=attention, last_only=True)
+    out = numerics.emulate(step, precision)(params, lm_head, cache, *inputs)
+    return dict(out, cache=numerics.store_kv(out["cache"], kv_dtype))
+
+
+@partial(jax.jit, static_argnames=("config", "precision"))
+def _device_tower(params, embed_params, patches, positions, segment_ids, pool_index, *, config,
+                  precision):  # fmt: skip
+    fn = partial(tower_apply, config=config)
+    return numerics.emulate(fn, precision)(
+        params, embed_params, patches, positions, segment_ids, pool_index
+    )["embeds"]
+
+
+class DeviceVision:
+    """A VisionTower's `embed` in the device model (dense segment mask, as exported)."""
+
+    def __init__(self, tower, precision):
+        self.tower, self.precision = tower, precision
+        self.config = tower.config
+
+    def embed(self, patches, grids):
+        """Soft tokens per item after embed_vision: list of [h_i·w_i/k², text_hidden]."""
+        packing, flat = self.tower.pack(patches, grids)
+        out = np.asarray(
+            _device_tower(
+                self.tower.params,
+                self.tower.embed_params,
+                jnp.asarray(flat, jnp.float32),
+                packing.positions,
+                packing.segment_ids,
+                packing.pool_index,
+                config=self.config,
+                precision=self.precision,
+            )
+        )
+        cu = packing.cu_tokens
+        return [out[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+class DeviceGemma4(Gemma4):
+    """`Gemma4` whose every step (and vision tower) runs in the device model: compute in
+    `precision`, KV cache stored as `kv_dtype`; records each step's logits in `self.logits`."""
+
+    def __init__(self, model, precision, kv_dtype):
+        self.__dict__.update(model.__dict__)
+        self.precision = numerics.format_name(precision)
+        self.kv_dtype = numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+        if model.vision is not None:
+            self.vision = DeviceVision(model.vision, self.precision)
+        self.logits = []
+
+    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention):
+        out = _device_step(
+            self.params,
+            self.lm_head,
+            cache,
+            jnp.asarray(ids),
+            jnp.asarray(positions),
+            vision_embeds,
+            image_idx,
+            config=self.config,
+            attention=attention,
+            precision=self.precision,
+            kv_dtype=self.kv_dtype,
+        )
+        self.logits.append(np.asarray(out["logits"][:, -1], np.float32))
+        return out
+
+
+def random_prompt(model, rng, *, text_len=6):
+    """(ids [L], patches, grids): random words (ids ≥ 7, none special), one random image
+    (2–4 × 2–4 soft tokens) between the begin/end-of-image tokens, random words."""
+    vision = model.vision.config
+    k = vision.pooling_kernel_size
+    th, tw = (int(t) for t in rng.integers(2, 5, 2))
+    grid = (th * k, tw * k)
+    patches = rng.random((grid[0] * grid[1], vision.patch_dim), dtype=np.float32)
+    t = model.tokens
+    special = {t.image_token_id, t.boi_token_id, t.eoi_token_id, t.video_token_id}
+    words = [w for w in range(7, model.config.vocab_size) if w not in special]
+
+    def text(n):
+        return [int(w) for w in rng.choice(words, n)]
+
+    ids = text(text_len) + [model.tokens.boi_token_id]
+    ids += [model.tokens.image_token_id] * (th * tw) + [model.tokens.eoi_token_id]
+    ids += text(text_len)
+    return np.asarray(ids, np.int32), [patches], [grid]
+
+
+def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0):
+    """Greedy tokens of float32 `model` against the device model over `prompts` random prompts
+    with an image each → list of per-prompt dicts: agree (tokens equal), first divergence
+    step (None if none), the float32 top-2 logit gap there."""
+    device = DeviceGemma4(model, precision, kv_dtype)
+    exact = DeviceGemma4(model, "float32", "float32")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(prompts):
+        ids, patches, grids = random_prompt(model, rng)
+        exact.logits, device.logits = [], []
+        want = exact.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
+        got = device.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
+        differ = np.flatnonzero(want != got)
+        first = int(differ[0]) if differ.size else None
+        gap = None
+        if first is not None:
+            top2 = np.sort(exact.logits[first][0])[-2:]
+            gap = float(top2[1] - top2[0])
+        rows.append({"agree": int(np.sum(want == got)), "total": len(want), "first": first,
+                     "gap": gap})  # fmt: skip
+    return rows
+
+
+def drift_table(rows, precision, kv_dtype):
+    """The `drift` report: one row per prompt and the agreement rate."""
+    body = [
+        (i, f"{r['agree']}/{r['total']}", "-" if r["first"] is None else r["first"],
+         "-" if r["gap"] is None else f"{r['gap']:.3g}")
+        for i, r in enumerate(rows)
+    ]  # fmt: skip
+    agree = sum(r["agree"] for r in rows)
+    total = sum(r["total"] for r in rows)
+    same = sum(r["first"] is None for r in rows)
+    head = ("prompt", "tokens equal", "first divergence", "float32 top-2 gap there")
+    return "\n".join(
+        [
+            f"float32 vs {precision} compute, KV cache {kv_dtype}",
+            _table(head, body),
+            f"agreement {agree}/{total} = {agree / total:.1%}; {same}/{len(rows)} prompts "
+            "identical",
+        ]
+    )

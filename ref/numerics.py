@@ -1,0 +1,279 @@
+"""What the device computes: the float formats QAIC runs a float32 graph in, the KV cache's
+storage formats, and `emulate`, which runs any `ref` function in one of them.
+
+The device model (QAIC compiles float32 graphs with `-convert-to-fp16`): every tensor the
+graph makes is stored in the compute format, and each operation computes from its stored
+operands at float32 precision and rounds its result once. So a matmul or a sum accumulates
+in float32 and rounds at the end (measured here: XLA:CPU's own float16 `dot` equals the
+float32 dot rounded, 12,800 of 12,800 values), and an elementwise op is IEEE-rounded. A norm
+or a softmax is not one operation in the exported graph: `x·x`, its mean, the `rsqrt`, the
+`exp`, each is a tensor, each rounded — so `x·x` of an RMSNorm overflows float16 once
+|x| > 255.9, whatever `ref.layers.rms_norm` does in float32 when called on float16 arrays.
+`emulate` applies this model to the jaxpr of the float32 function, operation by operation;
+running `ref` on float16 arrays instead would keep its float32 islands (`rms_norm`, the vision
+pooling and standardize, `attend`'s softmax) that a graph-level conversion does not have.
+
+KV storage (`store_kv`): the cache crosses the graph boundary as QAIC's retained state in the
+`--kv-dtype` format; a step computes in the compute format and its written cache is rounded
+(float16, bfloat16) or quantized and dequantized (MXINT8) before the next step reads it.
+
+MXINT8 follows the OCP Microscaling Formats (MX) Specification v1.0 (Open Compute Project,
+September 2023), §5 (MXINT8: block of k = 32, scale E8M0, elements INT8: two's complement
+with an implicit scale of 2^-6, so element values m·2^-6, |m| ≤ 127 here) and §6.3 (the
+conversion from float: X = 2^(floor(log2(max|V_i|)) − emax_elem) with emax_elem = 0 for
+INT8, P_i = V_i / X quantized to the element format, clamped to its largest magnitude).
+Choices the spec leaves to the implementation, made here: rounding to nearest, ties to even;
+the symmetric element range ±127 (−128 never produced); an all-zero block takes the smallest
+scale 2^-127; blocks run along the last axis (a KV cache's head_dim), a last block shorter
+than 32 behaves as if zero-padded (zeros change no block maximum). A non-finite value makes
+its block's scale NaN (E8M0 0xFF) and the block decodes to NaN; `mxint8_encode` on concrete
+arrays refuses it. Which axis QAIC blocks its MXINT8 retained state along is not documented.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+
+FORMATS = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+KV_FORMATS = (*FORMATS, "mxint8")
+ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+MX_BLOCK = 32  # elements sharing one scale (MX spec §5, k = 32)
+MX_FRACTION_BITS = 6  # INT8 element value = m · 2^-6 (MX spec §5.3)
+MX_INT_MAX = 127  # largest element magnitude kept (symmetric range)
+E8M0_BIAS = 127  # E8M0 scale: 2^(bits − 127), bits 0 … 254; 255 = NaN
+E8M0_NAN = 255
+SCALE_EMIN, SCALE_EMAX = -127, 127
+
+
+def format_name(name, allowed=tuple(FORMATS)):
+    """The canonical name of a format (`fp16` → `float16`); ValueError naming the choices."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in allowed:
+        raise ValueError(
+            f"format {name!r}: expected one of {', '.join(allowed)} (or {', '.join(ALIASES)})"
+        )
+    return canonical
+
+
+def finite_max(precision):
+    """The largest finite value of a compute format (65504 for float16)."""
+    return float(jnp.finfo(FORMATS[format_name(precision)]).max)
+
+
+def round_to(x, precision):
+    """x with every float value rounded to `precision` (nearest even; beyond its range ±inf,
+    below it subnormal or 0), in x's own dtype; non-float arrays unchanged. x: any shape."""
+    x = jnp.asarray(x)
+    target = FORMATS[format_name(precision)]
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+        return x
+    return x.astype(target).astype(x.dtype)
+
+
+def _blocks(x):
+    """x [..., n] → float32 [..., ceil(n/32), 32], zero-padded."""
+    n = x.shape[-1]
+    pad = -n % MX_BLOCK
+    x = jnp.pad(jnp.asarray(x, jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*x.shape[:-1], (n + pad) // MX_BLOCK, MX_BLOCK)
+
+
+def mxint8_encode(x):
+    """MXINT8 blocks of x along its last axis (see the module docstring for the spec).
+
+    x: [..., n] float → (scales [..., ceil(n/32)] uint8 (E8M0 bits), elements
+    [..., ceil(n/32), 32] int8). Concrete non-finite input is refused (ValueError naming the
+    first such index); traced input gives that block the NaN scale.
+    """
+    if not isinstance(x, jax.core.Tracer):
+        bad = ~np.isfinite(np.asarray(x, np.float32))
+        if bad.any():
+            at = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+            raise ValueError(
+                f"mxint8_encode: x{list(at)} = {np.asarray(x)[at]}: expected finite values "
+                "(MXINT8 has no infinity; a NaN would poison its whole block of 32)"
+            )
+    # integer arithmetic on the bits: XLA:CPU flushes float32 subnormals to zero in float ops
+    bits = jax.lax.bitcast_convert_type(_blocks(x), jnp.int32)
+    magnitude = bits & 0x7FFFFFFF  # ordered as |x| for finite values
+    field = magnitude >> 23
+    significand = jnp.where(field > 0, (magnitude & 0x7FFFFF) | 0x800000, magnitude)
+    power = jnp.maximum(field, 1) - 150  # |x| = significand · 2^power
+    top = jnp.max(magnitude, axis=-1)
+    top_field = top >> 23
+    # floor(log2(max |x|)): the top set bit of the largest value
+    exponent = (
+        jnp.maximum(top_field, 1)
+        - 150
+        + 31
+        - jax.lax.clz(jnp.where(top_field > 0, (top & 0x7FFFFF) | 0x800000, top))
+    )
+    shared = jnp.clip(jnp.where(top > 0, exponent, SCALE_EMIN), SCALE_EMIN, SCALE_EMAX)
+    shift = power + MX_FRACTION_BITS - shared[..., None]  # element = significand · 2^shift
+    up = jnp.left_shift(significand, jnp.clip(shift, 0, 7))
+    k = jnp.clip(-shift, 1, 30)
+    q, rem, half = significand >> k, significand & ((1 << k) - 1), 1 << (k - 1)
+    down = q + ((rem > half) | ((rem == half) & (q & 1 == 1)))  # ties to even
+    elements = jnp.minimum(jnp.where(shift >= 0, up, down), MX_INT_MAX)
+    elements = jnp.where(bits < 0, -elements, elements)
+    finite = top < 0x7F800000
+    scales = jnp.where(finite, shared + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
+    return scales, jnp.where(finite[..., None], elements, 0).astype(jnp.int8)
+
+
+def mxint8_decode(scales, elements, n):
+    """Values of MXINT8 blocks: scales [..., b] uint8, elements [..., b, 32] int8 → float32
+    [..., n] (the first n of b·32); a block with the NaN scale is NaN. A value below
+    float32's normal range (2^-126) reads as 0, as XLA:CPU flushes float32 subnormals."""
+    shared = scales.astype(jnp.int32) - E8M0_BIAS
+    values = jnp.ldexp(elements.astype(jnp.float32), (shared - MX_FRACTION_BITS)[..., None])
+    values = jnp.where((scales == E8M0_NAN)[..., None], jnp.nan, values)
+    return values.reshape(*values.shape[:-2], -1)[..., :n]
+
+
+def mxint8_round_trip(x):
+    """x stored as MXINT8 and read back, in x's dtype. x: [..., n] → [..., n]."""
+    return mxint8_decode(*mxint8_encode(x), x.shape[-1]).astype(x.dtype)
+
+
+def store(x, kv_format):
+    """x as the KV cache holds it in `kv_format` (float32, float16, bfloat16, mxint8)."""
+    kv_format = format_name(kv_format, KV_FORMATS)
+    if kv_format == "mxint8":
+        return mxint8_round_trip(x)
+    return round_to(x, kv_format)
+
+
+def store_kv(cache, kv_format):
+    """A KV cache ({"k": {layer: [B, Hkv, T, D]}, "v": …, other leaves}) with its keys and
+    values as the device stores them in `kv_format`; position/run-id leaves unchanged."""
+    return dict(
+        cache,
+        **{kind: {i: store(a, kv_format) for i, a in cache[kind].items()} for kind in ("k", "v")},
+    )
+
+
+# --- ref in a compute format: the jaxpr, operation by operation ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One float tensor an operation made: where (module path, checkpoint-like), what op,
+    its largest finite |value| and whether it turned non-finite there (an inf from finite
+    operands, or any NaN)."""
+
+    name: str
+    primitive: str
+    shape: tuple
+    max_abs: float
+    nonfinite: bool
+
+
+def module_path(name_stack):
+    """A jaxpr name stack as a checkpoint-like path: Flax class names dropped, except the
+    outermost when nothing else is left (a model's own body).
+
+    "VisionModel/encoder/layers/0/EncoderLayer/self_attn" → "encoder.layers.0.self_attn";
+    "VisionModel" → "VisionModel".
+    """
+    parts = [p for p in str(name_stack).split("/") if p and not p.startswith(("jit(", "pjit("))]
+    names = [p for p in parts if not p[0].isupper() and "." not in p]
+    return ".".join(names) if names else (parts[0].split(".")[0] if parts else "")
+
+
+# primitives whose body is one more jaxpr, evaluated op by op; other higher-order primitives
+# (loops, conditionals) run whole and round their results
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+
+
+def _is_float(x):
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _eval(closed, args, precision, sink=None, prefix=""):
+    """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); sink: None,
+    or sink(path, primitive, result, operands) called per float result of an operation."""
+    env = {}
+
+    def read(v):
+        if isinstance(v, core.Literal):
+            return round_to(v.val, precision) if _is_float(v.val) else v.val
+        return env[v]
+
+    jaxpr = closed.jaxpr
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = round_to(c, precision)
+    for v, a in zip(jaxpr.invars, args, strict=True):
+        env[v] = round_to(a, precision)
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+        body = _CALLS.get(eqn.primitive.name)
+        if body is not None:
+            outs = _eval(eqn.params[body], ins, precision, sink, path)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = [round_to(o, precision) if _is_float(o) else o for o in outs]
+            for o in outs if sink is not None else ():
+                if _is_float(o) and o.size:
+                    sink(path, eqn.primitive.name, o, ins)
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _traced(fn, args):
+    """(ClosedJaxpr of fn at args' shapes, fn's output tree, flat args)."""
+    flat, in_tree = jax.tree_util.tree_flatten(args)
+    specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in flat]
+
+    def flat_fn(*leaves):
+        return fn(*jax.tree_util.tree_unflatten(in_tree, list(leaves)))
+
+    closed, shapes = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
+    return closed, jax.tree_util.tree_structure(shapes), flat
+
+
+def emulate(fn, precision):
+    """fn run as the device runs it in `precision` (module docstring): every float input,
+    constant and operation result rounded to it; same arguments and result tree as fn,
+    values in fn's dtypes. Traceable (jit it)."""
+    precision = format_name(precision)
+
+    def run(*args):
+        closed, out_tree, flat = _traced(fn, args)
+        return jax.tree_util.tree_unflatten(out_tree, _eval(closed, flat, precision, None))
+
+    return run
+
+
+def probe(fn, precision, *args):
+    """fn's result in `precision` (as `emulate`, run op by op, not compiled) and a Record
+    per float tensor it made, in program order → (result, [Record])."""
+    precision = format_name(precision)
+    closed, out_tree, flat = _traced(fn, args)
+    records = []
+    finite = {}  # id → (value, all finite): each tensor scanned once; held, so ids stay unique
+
+    def all_finite(x):
+        if id(x) not in finite:
+            finite[id(x)] = (x, bool(np.isfinite(np.asarray(x, np.float32)).all()))
+        return finite[id(x)][1]
+
+    def sink(path, primitive, out, ins):
+        values = np.abs(np.asarray(out, np.float32))
+        ok = np.isfinite(values)
+        finite[id(out)] = (out, bool(ok.all()))
+        turned = bool(np.isnan(values).any()) or (
+            not ok.all() and all(all_finite(i) for i in ins if _is_float(i))
+        )
+        peak = float(values[ok].max()) if ok.any() else 0.0
+        records.append(Record(module_path(path), primitive, tuple(out.shape), peak, turned))
+
+    outs = _eval(closed, flat, precision, sink)
+    return jax.tree_util.tree_unflatten(out_tree, outs), records

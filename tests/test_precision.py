@@ -1,0 +1,205 @@
+"""Device numerics (`ref.numerics`, `codegen.precision`): MXINT8 against a direct reading of the
+OCP MX v1.0 spec, the per-operation float16 model against float32, and `verify --precision`
+catching a checkpoint that overflows float16 in the vision standardize step."""
+
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ref import numerics
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+
+
+def spec_block(values):
+    """OCP MX v1.0 §6.3 for one MXINT8 block, in exact rational arithmetic: (E8M0 bits,
+    [int8 element]). values: up to 32 finite floats."""
+    amax = max(Fraction(abs(v)) for v in values)
+    if amax == 0:
+        shared = -127
+    else:
+        shared = 0  # the largest e with 2^e <= amax
+        while Fraction(2) ** shared > amax:
+            shared -= 1
+        while Fraction(2) ** (shared + 1) <= amax:
+            shared += 1
+        shared = min(max(shared, -127), 127)
+    step = Fraction(2) ** (shared - 6)  # INT8 elements carry 2^-6
+    elements = [max(-127, min(127, round(Fraction(v) / step))) for v in values]  # ties to even
+    return shared + 127, elements
+
+
+def spec_value(bits, element):
+    """The element's value; float32 subnormals read as 0 (XLA:CPU flushes them)."""
+    value = Fraction(element) * Fraction(2) ** (bits - 127 - 6)
+    return float(value) if abs(value) >= Fraction(2) ** -126 else 0.0
+
+
+magnitudes = st.sampled_from(
+    [F32_TINY, 2.0**-133, 2.0**-100, 2.0**-10, 0.5, 1.0, 1.984375, 3.0, 2.0**17]
+)
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+special = st.sampled_from([0.0, -0.0, F32_TINY, -F32_TINY, F32_MAX, -F32_MAX, 65504.0, -65504.0])
+element = st.one_of(finite32, special, magnitudes.flatmap(lambda m: st.floats(-m, m, width=32)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(element, min_size=1, max_size=70))
+@example([1.0, 2.0**-7, 3 * 2.0**-7, -(2.0**-7), 5 * 2.0**-7, F32_TINY])  # ties: 0.5, 1.5, 2.5
+def test_mxint8_matches_the_spec_block_by_block(values):
+    x = np.asarray(values, np.float32)
+    scales, elements = (np.asarray(a) for a in numerics.mxint8_encode(x))
+    decoded = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)))
+    for b in range(-(-len(x) // 32)):
+        block = [float(v) for v in x[32 * b : 32 * b + 32]]
+        bits, want = spec_block(block)
+        assert scales[b] == bits
+        assert elements[b, : len(block)].tolist() == want
+        assert not elements[b, len(block) :].any()
+        got = decoded[32 * b : 32 * b + len(block)]
+        assert [abs(v) for v in got.tolist()] == [abs(spec_value(bits, e)) for e in want]
+        assert all(v * e >= 0 for v, e in zip(got.tolist(), want, strict=True))
+    # stored once, stored again: the same (a quantized cache is rewritten every step)
+    again = np.asarray(numerics.mxint8_round_trip(jnp.asarray(decoded)))
+    assert np.array_equal(again, decoded)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=32, max_size=32))
+def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
+    x = np.asarray(values, np.float32)
+    amax = float(np.max(np.abs(x)))
+    got = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)), np.float64)
+    if amax == 0:
+        assert not got.any()
+        return
+    step = 2.0 ** (math.floor(math.log2(amax)) - 6)
+    unclamped = np.abs(x) <= 127 * step
+    assert np.all(np.abs(got - x)[unclamped] <= step / 2)
+    assert np.all(np.abs(got) <= 127 * step)
+
+
+def test_mxint8_refuses_nan_and_inf_by_index():
+    x = np.zeros((2, 40), np.float32)
+    x[1, 33] = np.nan
+    with pytest.raises(ValueError, match=r"x\[1, 33\] = nan: expected finite"):
+        numerics.mxint8_encode(x)
+    x[1, 33] = -np.inf
+    with pytest.raises(ValueError, match=r"x\[1, 33\] = -inf"):
+        numerics.mxint8_encode(x)
+    # traced (a cache write under jit): the block holding the NaN decodes to NaN, others stay
+    x[1, 33], x[0, 3] = np.nan, 1.5
+    out = np.asarray(jax.jit(numerics.mxint8_round_trip)(jnp.asarray(x)))
+    assert np.isnan(out[1, 32:]).all() and not np.isnan(out[1, :32]).any()
+    assert out[0, 3] == 1.5
+
+
+def test_formats_are_named_and_bad_names_refused():
+    assert numerics.format_name("fp16") == "float16"
+    assert numerics.finite_max("bf16") == float(jnp.finfo(jnp.bfloat16).max)
+    with pytest.raises(ValueError, match=r"format 'int4': expected one of float32, float16"):
+        numerics.format_name("int4")
+    with pytest.raises(ValueError, match="mxint8"):
+        numerics.store(jnp.ones(3), "fp8")
+    x = jnp.asarray([65519.0, 65520.0, 1e-8, 3e-8], jnp.float32)
+    assert np.asarray(numerics.round_to(x, "float16")).tolist() == [65504.0, np.inf, 0.0, 2**-24]
+
+
+def test_emulate_rounds_every_operation_and_probe_names_the_first_overflow():
+    def fn(x):
+        return (x * 1000.0) * 1000.0 / 1000.0 / 1000.0  # 1e6 overflows float16 midway
+
+    x = jnp.ones(3, jnp.float32)
+    assert np.array_equal(numerics.emulate(fn, "float32")(x), fn(x))
+    assert np.isinf(np.asarray(jax.jit(numerics.emulate(fn, "float16"))(x))).all()
+    assert np.isfinite(np.asarray(numerics.emulate(fn, "bfloat16")(x))).all()
+    out, records = numerics.probe(fn, "fp16", x)
+    first = next(r for r in records if r.nonfinite)
+    assert (first.primitive, first.shape, first.max_abs) == ("mul", (3,), 0.0)
+    assert records[0].max_abs == 1000.0 and not records[0].nonfinite
+    # the division reads an inf: it is not where the overflow happened
+    assert [r.nonfinite for r in records] == [False, True, False, False]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from codegen.defaults import default_checkpoint
+    from ref.gemma4.model import Gemma4
+
+    return Gemma4.from_pretrained(default_checkpoint())
+
+
+# Bounds on benign models (the default tiny Gemma 4): relative to max |float32|; measured
+# float16 ~1e-3 (vision) and ~2e-3–7e-3 (logits); bfloat16 has 3 fewer mantissa bits (8×).
+FP16_BOUND, BF16_BOUND = 2e-2, 1.5e-1
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("float16", FP16_BOUND), ("bf16", BF16_BOUND)])
+def test_device_precision_stays_near_float32_on_the_default_model(default_model, precision, bound):
+    from codegen.precision import DeviceGemma4, random_prompt
+
+    rng = np.random.default_rng(1)
+    ids, patches, grids = random_prompt(default_model, rng)
+    exact = DeviceGemma4(default_model, "float32", "float32")
+    device = DeviceGemma4(default_model, precision, "mxint8")
+    want = exact.vision.embed(patches, grids)[0]
+    got = device.vision.embed(patches, grids)[0]
+    assert np.max(np.abs(got - want)) <= bound * np.max(np.abs(want))
+    exact.generate(ids[None], patches, grids, max_new_tokens=3)
+    device.generate(ids[None], patches, grids, max_new_tokens=3)
+    assert len(exact.logits) == len(device.logits) == 3
+    for a, b in zip(exact.logits[:1], device.logits[:1], strict=True):
+        assert np.max(np.abs(b - a)) <= bound * np.max(np.abs(a))
+    # float32 compute with a float32 cache is ref itself
+    plain = default_model.generate(ids[None], patches, grids, max_new_tokens=3)[0]
+    assert plain.tolist() == exact.generate(ids[None], patches, grids, max_new_tokens=3)[0].tolist()
+
+
+def _overflowing_tower(folder):
+    """The default tower saved alone, built to overflow float16 in the standardize step only:
+    std_bias −65280 (fits float16 and bfloat16), the last layer's output scaled ×100 so that
+    h = pooled·sqrt(32) > 240 somewhere and h − std_bias > 65504; std_scale 1e-4 brings the
+    float32 result back to ~6."""
+    import ml_dtypes
+
+    from codegen.defaults import DEFAULT_CONFIG, default_tensors
+    from weights import save_checkpoint
+
+    prefix = "model.vision_tower."
+    t = {n[len(prefix) :]: a for n, a in default_tensors().items() if n.startswith(prefix)}
+    t["std_bias"] = np.full_like(t["std_bias"], -65280.0)
+    t["std_scale"] = np.full_like(t["std_scale"], 1e-4)
+    w = "encoder.layers.2.post_feedforward_layernorm.weight"
+    t[w] = (t[w].astype(np.float32) * 100).astype(ml_dtypes.bfloat16)
+    save_checkpoint(folder, dict(DEFAULT_CONFIG["vision_config"]), t)
+    return folder
+
+
+def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_path, capsys):
+    import json
+
+    from codegen.__main__ import main
+    from codegen.export import ExportOptions, export
+
+    model = _overflowing_tower(tmp_path / "ckpt")
+    for out, clip in ((tmp_path / "plain", False), (tmp_path / "clipped", True)):
+        export(ExportOptions(out=out, model=model, budgets=(70,), verify=False, clip_fp16=clip))
+    assert main(["verify", str(tmp_path / "plain")]) == 0  # float32 is fine
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "plain"), "--precision", "fp16"]) == 1
+    text = capsys.readouterr().out
+    assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
+    assert "onnx: tensor 'sub_out_1' (Sub of " in text
+    assert main(["verify", str(tmp_path / "plain"), "--precision", "bf16"]) == 0  # 3.4e38
+    capsys.readouterr()
+    entry = json.loads((tmp_path / "clipped" / "manifest.json").read_text())["graphs"][0]
+    assert entry["clip_fp16"]["weights"] == [] and "sub_out_1" in entry["clip_fp16"]["tensors"]
+    assert main(["verify", str(tmp_path / "clipped"), "--precision", "fp16"]) == 0
+    assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
