@@ -299,5 +299,3 @@ def preprocess_video(
         patches.append(patchify(pixels, patch_size))
     rate = DEFAULT_VIDEO_FPS if video_fps is None else video_fps
     return patches, [grid] * len(index), [int(t) / rate for t in index]
-
-
