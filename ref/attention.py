@@ -76,6 +76,22 @@ def _merge(states):
     return m_all, l_all, o_all
 
 
+def after(state, *xs):
+    """xs, made to depend on the whole of an online-softmax `state` without changing a value.
+
+    state: (m, l, O); xs: arrays → tuple of each x + 0·max(l), cast to x's dtype. Exact: l is
+    finite, non-negative and at most the number of keys seen, so the product is 0 in float16 too
+    (a sum of l over rows instead overflowed float16 at 420 queries of 420 keys: 0·inf = NaN). A
+    max over all of l, not one element, so no simplifier can shrink the dependency to part of the
+    block before: a scheduler that starts every independent matmul early (XLA:CPU does, and
+    strips optimization barriers; onnxruntime too) still holds one block's scores at a time.
+    """
+    denom = state[1]
+    # lax, not jnp.max: jnp refuses a reduction over a symbolic (maybe empty) block
+    zero = jax.lax.reduce_max(denom, tuple(range(denom.ndim))) * 0
+    return tuple(x + zero.astype(x.dtype) for x in xs)
+
+
 def _finish(state, dtype):
     """O / l, zeros where no key was visible → [..., S, D] in dtype."""
     _, denom, o = state
@@ -194,10 +210,7 @@ def _kv_loop(q, k, v, block_mask, plan, prev, *, scale, softcap):
     for t0, t1 in plan.kv:
         m = block_mask(t0, t1)
         if plan.ordered and prev is not None:
-            # A real data dependency (0·Σl, exact: l is finite) so a scheduler that starts every
-            # independent matmul early (XLA:CPU does, and strips optimization barriers) still
-            # holds one block's scores at a time.
-            q = q + (jnp.sum(prev[1]) * 0).astype(q.dtype)
+            (q,) = after(prev, q)
         if plan.parallel:
             pieces = [
                 step(None, q, k[:, :, t0 + a : t0 + c], v[:, :, t0 + a : t0 + c], m[..., a:c])

@@ -13,7 +13,7 @@ masked attention.
 import jax.numpy as jnp
 from jax import lax
 
-from ref.attention import _finish, _step
+from ref.attention import _finish, _step, after
 
 
 def segment_mask(q_ids, kv_ids):
@@ -67,11 +67,10 @@ def tiled_packed_attention(q, k, v, segment_ids, tiles=(1, 1)):
         qt, q_ids, state = _slice(q5, bounds, 3), _slice(segment_ids, bounds, 0), None
         for kt, vt, kv_ids in kv:
             if last is not None:
-                # The tile's queries and mask depend on the tile before (0·Σl, exact: l is
-                # finite), as in `ref.attention.blocked(ordered=True)`: otherwise a runtime may
-                # make every tile's scores or mask first (onnxruntime did: 9×9 peaked as dense).
-                zero = jnp.sum(last[1]) * 0
-                qt, q_ids = qt + zero.astype(qt.dtype), q_ids + zero.astype(q_ids.dtype)
+                # The tile's queries and mask depend on the tile before (`after`, exact), as in
+                # `ref.attention.blocked(ordered=True)`: otherwise a runtime may make every
+                # tile's scores or mask first (onnxruntime did: 9×9 peaked as dense).
+                qt, q_ids = after(last, qt, q_ids)
             mask = segment_mask(q_ids, kv_ids)
             state = last = _step(state, qt, kt, vt, mask, scale=1.0, softcap=None)
         outs.append(_finish(state, q.dtype))
