@@ -111,9 +111,18 @@ def main(args):
     tokens = runner.generate(rows, images, max_new_tokens=args.max_new_tokens, log=log)
     for row in tokens:
         if tokenizer is not None:
-            print(tokenizer.decode([int(t) for t in row], skip_special_tokens=False))
+            print(row_text(tokenizer, row))
         print(",".join(str(int(t)) for t in row))
     return 0
+
+
+def row_text(tokenizer, row):
+    """A generated row's decoded text, or a visible note when the ids decode to nothing (ids
+    past tokenizer.json's vocabulary, or tokens whose text is empty)."""
+    text = tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
+    if not text.strip():
+        return f"(no text: the {len(row)} ids decode to {text!r})"
+    return text
 
 
 def read_requests(path, runner):

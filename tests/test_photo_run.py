@@ -14,6 +14,7 @@ from PIL import Image
 
 from codegen.__main__ import main
 from codegen.export import ExportOptions, export
+from codegen.inputs import row_text
 from ref.gemma4 import Gemma4
 from tests.hf_processor import WORDS, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_model, text_config
@@ -97,9 +98,11 @@ def test_png_and_text_prompt_give_transformers_tokens(
     assume(gap > MARGIN)
     args = ["run", str(out), "--image", str(path), "--prompt", text]
     assert main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == ",".join(str(int(t)) for t in want)
-    assert len(lines) == 2  # the decoded text, then the ids
+    # the decoded text, then the ids; ids past the word vocabulary decode to nothing: a note
+    text = word_backend().decode([int(t) for t in want], skip_special_tokens=False)
+    assert len(lines) == 2 and lines[0] == (text or f"(no text: the {NEW_TOKENS} ids decode to '')")
     # the same in `ref` alone: Gemma4.generate_from on the pixels and the text
     tokenize = lambda s: word_backend().encode(s).ids  # noqa: E731
     with Image.open(path) as img:
@@ -108,3 +111,11 @@ def test_png_and_text_prompt_give_transformers_tokens(
         text, [pixels], max_soft_tokens=BUDGET, tokenize=tokenize, max_new_tokens=NEW_TOKENS
     )
     np.testing.assert_array_equal(got, want)
+
+
+def test_run_prints_a_visible_line_for_every_row():
+    """Ids past tokenizer.json's words decode to nothing: `run` says so instead of a blank."""
+    backend = word_backend()
+    words = [backend.token_to_id(w) for w in ("look", "at", "this")]
+    assert row_text(backend, words) == "look at this"
+    assert row_text(backend, [84, 90]) == "(no text: the 2 ids decode to '')"
