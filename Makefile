@@ -19,8 +19,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Modules spread over one worker per core (at most 4: each holds jax, torch and its models);
+# the 15 slowest tests are listed at the end (docs/testing.md).
 test: lint
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations 15 $(ARGS)
 
 # Mutation testing (docs/mutation.md), slow, not in CI: all modules, or MODULE=ref/cache.py.
 mutation: $(STAMP)

@@ -1,9 +1,22 @@
-"""Test-wide settings: float64 available for the dense references, hypothesis profiles."""
+"""Test-wide settings: float64 available for the dense references, hypothesis profiles, the
+XLA compile settings of the default run, and the order that balances `make test`'s workers."""
 
 import os
 
-import jax
-from hypothesis import HealthCheck, settings
+# The default run compiles thousands of small XLA programs and runs each a few times: compile
+# time is most of it, and XLA's backend optimizations cost more than they save (measured
+# on tests/test_vision.py's transformers test: 41 s → 26 s). Results stay within every test's
+# tolerance (docs/testing.md). The long profile keeps the optimizing compiler, as users run it.
+# Set before jax is imported, in os.environ so that subprocess tests inherit it.
+LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
+if not LONG:
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
+    )
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -27,3 +40,27 @@ settings.register_profile(
     database=None,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# `make test` runs modules on two workers (`pytest -n auto --dist loadfile`), each module whole
+# on one worker (module fixtures and compiled functions are built once). Handing out the
+# slowest modules first keeps both workers busy to the end; order measured on this 2-core
+# machine (docs/testing.md), the rest follow in file order.
+SLOWEST_FIRST = [
+    "test_codegen.py",
+    "test_attention.py",
+    "test_vision.py",
+    "test_codegen_checks.py",
+    "test_model_export.py",
+    "test_precision.py",
+    "test_cache.py",
+    "test_attention_sharded.py",
+    "test_vision_tiles.py",
+    "test_generate.py",
+    "test_text.py",
+    "test_mesh.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -20,7 +20,7 @@ from transformers.models.gemma4 import modeling_gemma4 as hf
 from ref.attention import attend, blocked, mask, reference
 from ref.blocking import MODES
 from ref.cache import fold
-from tests.util import rel_err, vision_runs
+from tests.util import examples, rel_err, vision_runs
 
 TOL = {np.float64: 1e-12, np.float32: 2e-6}
 
@@ -127,7 +127,7 @@ def cases(draw):
     return shapes, mode, opts, extra
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(
     cases(),
     st.sampled_from([np.float64, np.float32]),
@@ -151,7 +151,7 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
     assert rel_err(got, want) <= TOL[dtype], (mode, opts)
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(st.sampled_from([1, 5]), st.sampled_from([3, 6]), st.integers(0, 2**32 - 1))
 def test_reference_padding_rows_are_zero_and_dense_oracle(s, t, seed):
     """Rows no key is visible to are exactly zero; every other row is the float64 softmax over
@@ -218,7 +218,7 @@ def hf_attention(q, k, v, mask4, softcap, groups):
     return out.transpose(1, 2).numpy()
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(
     st.integers(1, 2),
     st.integers(2, 12),

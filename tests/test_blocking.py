@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ref.blocking import MODES, BlockingConfig, Plan, ranges
+from tests.util import examples
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.integers(1, 200), st.data())
 def test_ranges_cover_each_index_once_and_last_takes_the_remainder(n, data):
     blocks = data.draw(st.integers(1, n))
@@ -21,7 +22,7 @@ def test_ranges_cover_each_index_once_and_last_takes_the_remainder(n, data):
     assert len(got) <= blocks
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(
     st.integers(1, 4),
     st.integers(1, 4),

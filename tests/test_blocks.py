@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weights
+from tests.util import examples
 from weights import blocks
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8, np.float64]
@@ -36,7 +37,7 @@ def boxes(draw):
 
 
 @pytest.mark.parametrize("span", [blocks.SPAN, 24])  # 24 bytes: many spans of short runs
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(case=boxes())
 def test_block_equals_numpy_slicing(tmp_path_factory, span, case):
     array, index = case

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ref import cache
 from ref.attention import blocked, reference
+from tests.util import examples
 
 
 def chunks(rng, n):
@@ -21,7 +22,7 @@ def chunks(rng, n):
     return np.diff(np.concatenate([[0], cuts, [n]]))
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(
     st.integers(1, 2),
     st.sampled_from([4, 9]),
@@ -64,7 +65,7 @@ def test_fold_and_errors():
         cache.rolling_slots(np.zeros((1, 2), int), 0)
 
 
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 @given(st.integers(2, 12), st.integers(0, 2**32 - 1))
 def test_chunked_prefill_through_the_cache_equals_one_shot(n, seed):
     """Each chunk writes its K/V (the returned caches feed the next chunk), then attends in the
@@ -102,7 +103,7 @@ def test_chunked_prefill_through_the_cache_equals_one_shot(n, seed):
     assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
 
 
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 @given(st.integers(2, 14), st.integers(1, 5), st.integers(0, 2**32 - 1))
 def test_sliding_window_ring_equals_one_shot(n, window, seed):
     """A ring of W slots (position p in slot p mod W), chunks longer or shorter than W: each

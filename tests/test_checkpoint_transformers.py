@@ -24,6 +24,7 @@ from transformers import (  # noqa: E402
 from ref.gemma4.params import dotted  # noqa: E402
 from tests.hf_vision import hf_vision_config, randomize_  # noqa: E402
 from tests.strategies import vision_configs  # noqa: E402
+from tests.util import examples  # noqa: E402
 
 
 def torch_bits(t) -> bytes:
@@ -49,7 +50,7 @@ def assert_matches_state_dict(params: dict, state: dict) -> None:
         assert np_bits(flat[name]) == torch_bits(t), name
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(
     config=vision_configs(max_layers=2).map(hf_vision_config),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),

@@ -28,7 +28,7 @@ from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.params import attention_param_shapes
 from tests.hf_vision import hf_full_model, hf_padded_inputs
 from tests.strategies import grids, vision_configs
-from tests.util import rel_err, vision_runs
+from tests.util import examples, rel_err, vision_runs
 from weights import open_checkpoint, save_checkpoint
 
 RTOL = 1e-5  # max|onnxruntime − oracle| / max|oracle|, float32 on both sides
@@ -181,7 +181,7 @@ def default_model(tmp_path_factory):
     return open_checkpoint(default_checkpoint(tmp_path_factory.mktemp("cache") / "default"))
 
 
-@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     mode=st.sampled_from([n for n in blocking_names() if n not in DENSE_NAMES]),
     batch=st.integers(1, 2),
@@ -230,7 +230,7 @@ def test_blocked_attention_graph_matches_dense_reference(
         assert rel_err(out, want[t.name]) <= RTOL, (t.name, mode, options)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(cfg=vision_configs(max_layers=2), grid_list=grids(max_items=3), seed=st.integers(0, 99))
 def test_exported_vision_graph_matches_transformers(cfg, grid_list, seed, tmp_path_factory):
     """The whole path: an HF model's weights saved as a checkpoint, `export`, onnxruntime on
@@ -310,7 +310,7 @@ def _hf_mask(pos, groups, layer_type, window):
     return np.where(visible, 0.0, -np.inf).astype(np.float32)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(
     k_eq_v=st.booleans(),
     mode=st.sampled_from(["none", "kv", "hqkv", "kv_batch_fold"]),

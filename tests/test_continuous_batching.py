@@ -15,6 +15,7 @@ from ref.gemma4.model import chunk_bounds, image_runs
 from ref.gemma4.step import step
 from tests.hf_vision import patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_generate, hf_model, prompt, text_config
+from tests.util import examples
 
 SLOTS, CTX, CHUNK = 3, 48, 8
 MARGIN = 1e-4
@@ -80,7 +81,7 @@ def serve(model, requests):
     return [np.array(done[i]) for i in range(len(requests))]
 
 
-@settings(max_examples=2)
+@settings(max_examples=examples(2))
 @given(
     lengths=st.lists(st.integers(3, 18), min_size=6, max_size=6),
     images=st.lists(st.booleans(), min_size=6, max_size=6),

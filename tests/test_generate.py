@@ -12,6 +12,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 from ref.gemma4.model import Gemma4
 from tests.hf_vision import patches_for, randomize_, tree_of
 from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, prompt, text_config
+from tests.util import examples
 
 NEW_TOKENS = 16
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss
@@ -63,7 +64,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("moe, batch, chunk, prefill, decode, ring", CASES)
-@settings(max_examples=1)
+@settings(max_examples=examples(1))
 @given(data=st.data())
 def test_greedy_tokens_equal_transformers(moe, batch, chunk, prefill, decode, ring, data):
     hf, ours = _models(moe)

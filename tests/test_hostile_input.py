@@ -19,6 +19,7 @@ from ref.attention import blocked, reference
 from ref.gemma4 import Gemma4, VisionTower
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.step import step
+from tests.util import examples
 
 VOCAB = DEFAULT_CONFIG["text_config"]["vocab_size"]
 BAD_FLOATS = st.sampled_from([np.nan, np.inf, -np.inf])
@@ -48,7 +49,7 @@ def patches(rng):
     return [rng.random((36, 48), dtype=np.float32)]
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(bad=BAD_FLOATS, index=st.tuples(st.integers(0, 35), st.integers(0, 47)))
 def test_tower_refuses_non_finite_patches(tower, bad, index):
     x = patches(np.random.default_rng(0))
@@ -57,7 +58,7 @@ def test_tower_refuses_non_finite_patches(tower, bad, index):
         tower.encode(x, [(6, 6)])
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(bad=st.sampled_from([-1, -7, VOCAB, VOCAB + 1, 2**31 - 1]), at=st.integers(0, 9))
 def test_generate_refuses_token_ids_outside_the_vocabulary(model, bad, at):
     ids = prompt()
@@ -146,7 +147,7 @@ def test_step_ignores_ids_of_padding_columns(model):
             np.testing.assert_array_equal(np.asarray(got["cache"][kind][layer]), x)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(bad=BAD_FLOATS, which=st.sampled_from(["q", "k", "v"]), mode=st.sampled_from([None, "kv"]))
 def test_attention_refuses_non_finite_inputs(bad, which, mode):
     rng = np.random.default_rng(0)

@@ -19,6 +19,7 @@ from ref.gemma4 import images as gi
 from ref.gemma4 import prompts as gp
 from ref.gemma4.packing import pack, pack_patches
 from tests.hf_processor import WORDS, hf_processor, word_tokenizer
+from tests.util import examples
 
 LAST = {"input_data_format": "channels_last"}
 
@@ -70,7 +71,7 @@ def assert_same(mine, theirs):
         np.testing.assert_allclose(ours, hf, rtol=0, atol=1e-6)
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(
     st.lists(
         st.tuples(sizes, st.sampled_from([1, 3, 4]), st.integers(0, 2**32 - 1)),
@@ -91,7 +92,7 @@ def test_preprocess_matches_transformers(items, budget, patch_size):
     pack_patches(patches, grids, 3 * patch_size**2, packing)
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     st.sampled_from([(4000, 30), (30, 4000), (2000, 1500), (1, 4000)]),
     st.sampled_from(gi.BUDGETS),
@@ -101,7 +102,7 @@ def test_huge_images_match_transformers(size, budget):
     assert_same(gi.preprocess([image], budget), hf_preprocess([image], budget, 16))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(
     st.integers(1, 100_000),
     st.integers(1, 100_000),
@@ -124,7 +125,7 @@ def test_aspect_past_budget_is_squeezed_to_exactly_the_budget():
     assert gi.target_size(1000, 1, 70) == (70 * 48, 48)
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(sizes, st.integers(0, 2**32 - 1))
 def test_grayscale_2d_is_converted_like_one_channel(size, seed):
     # transformers refuses a 2-D array; its [H, W, 1] conversion is the one matched.
@@ -182,7 +183,7 @@ def test_errors_on_inputs_transformers_takes_differently():
 # Video
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(
     st.tuples(st.integers(1, 200), st.integers(1, 200)),
     sizes.filter(lambda hw: hw != (1, 1)),
@@ -200,7 +201,7 @@ def test_video_resize_matches_torch_uint8_antialias(size_in, size_out, seed):
     np.testing.assert_array_equal(ours, expected[0].permute(1, 2, 0).numpy())
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(st.integers(1, 100), st.integers(1, 40), st.sampled_from([None, 1, 2.5]), st.booleans())
 def test_frame_sampling_matches_transformers(total, num_frames, fps, by_fps):
     meta = VideoMetadata(total_num_frames=total, fps=None if fps is None else 10.0)
@@ -223,7 +224,7 @@ def video_processor_class():
     return Gemma4VideoProcessor
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(
     st.integers(1, 40),
     st.tuples(st.integers(1, 120), st.integers(1, 120)),
@@ -314,7 +315,7 @@ def test_placeholders_are_the_tokenizer_s(tokenizer):
     )
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(
     st.lists(st.tuples(st.integers(1, 200), st.integers(1, 200)), min_size=0, max_size=3),
     st.lists(st.sampled_from(WORDS), min_size=0, max_size=4),
@@ -340,7 +341,7 @@ def test_expanded_prompt_matches_transformers(tokenizer, sizes_, words, budget, 
     assert gp.expand_prompt(ids_of(tokenizer, prompt), soft, tokens=tokens).tolist() == expected
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(
     st.integers(1, 3000),
     st.integers(1, 8),

@@ -17,6 +17,7 @@ from codegen.export import ExportOptions, export
 from codegen.runtime import RunError, Runner
 from tests.hf_vision import patches_for
 from tests.text_oracle import hf_generate, hf_model, prompt, text_config
+from tests.util import examples
 
 NEW_TOKENS = 12
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss
@@ -115,7 +116,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, batch, prefill, decode, ring", CASES)
-@settings(max_examples=1)
+@settings(max_examples=examples(1))
 @given(data=st.data())
 def test_run_tokens_equal_transformers(name, batch, prefill, decode, ring, data, tmp_path_factory):
     model, runner = exported(name, batch, prefill, decode, ring, tmp_path_factory)

@@ -8,7 +8,7 @@ alone on the pixels and the text."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -18,6 +18,7 @@ from codegen.inputs import row_text
 from ref.gemma4 import Gemma4
 from tests.hf_processor import WORDS, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_model, text_config
+from tests.util import examples
 
 NEW_TOKENS = 10
 MARGIN = 1e-4
@@ -76,13 +77,14 @@ def hf_tokens(model, text, image):
     return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap
 
 
-@settings(max_examples=3, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(3), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     size=st.tuples(st.integers(8, 120), st.integers(8, 120)),
     mode=st.sampled_from(["RGB", "RGBA", "L"]),
     words=st.lists(st.sampled_from(WORDS[:9]), min_size=1, max_size=6),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(size=(8, 23), mode="RGB", words=["look", "look", "look"], seed=0)  # ids past the words
 def test_png_and_text_prompt_give_transformers_tokens(
     exported, tmp_path_factory, capsys, size, mode, words, seed
 ):
@@ -101,8 +103,9 @@ def test_png_and_text_prompt_give_transformers_tokens(
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == ",".join(str(int(t)) for t in want)
     # the decoded text, then the ids; ids past the word vocabulary decode to nothing: a note
-    text = word_backend().decode([int(t) for t in want], skip_special_tokens=False)
-    assert len(lines) == 2 and lines[0] == (text or f"(no text: the {NEW_TOKENS} ids decode to '')")
+    decoded = word_backend().decode([int(t) for t in want], skip_special_tokens=False)
+    note = f"(no text: the {NEW_TOKENS} ids decode to '')"
+    assert len(lines) == 2 and lines[0] == (decoded or note)
     # the same in `ref` alone: Gemma4.generate_from on the pixels and the text
     tokenize = lambda s: word_backend().encode(s).ids  # noqa: E731
     with Image.open(path) as img:

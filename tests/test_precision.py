@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ref import numerics
+from tests.util import examples
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
@@ -51,7 +52,7 @@ special = st.sampled_from([0.0, -0.0, F32_TINY, -F32_TINY, F32_MAX, -F32_MAX, 65
 element = st.one_of(finite32, special, magnitudes.flatmap(lambda m: st.floats(-m, m, width=32)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(element, min_size=1, max_size=70))
 @example([1.0, 2.0**-7, 3 * 2.0**-7, -(2.0**-7), 5 * 2.0**-7, F32_TINY])  # ties: 0.5, 1.5, 2.5
 def test_mxint8_matches_the_spec_block_by_block(values):
@@ -72,7 +73,7 @@ def test_mxint8_matches_the_spec_block_by_block(values):
     assert np.array_equal(again, decoded)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=32, max_size=32))
 def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
     x = np.asarray(values, np.float32)

@@ -15,6 +15,7 @@ from codegen.export import ExportOptions, export
 from codegen.runtime import Request, RunError, Runner
 from tests.hf_vision import patches_for
 from tests.text_oracle import hf_generate, hf_model, prompt, text_config
+from tests.util import examples
 
 SLOTS, BATCH = 3, 2
 MARGIN = 1e-4
@@ -35,7 +36,7 @@ def served(tmp_path_factory):
     return hf, Runner(out)
 
 
-@settings(max_examples=2, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(2), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(3, 20), min_size=6, max_size=7),
     data=st.data(),

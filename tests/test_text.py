@@ -30,6 +30,7 @@ from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.rope import rope_inv_freq
 from tests.hf_vision import hf_padded_inputs, patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_model, prompt, text_config
+from tests.util import examples
 
 TOL = 1e-4  # float32 relative, per the issue
 GRIDS = [(3, 3), (3, 6), (6, 6)]
@@ -45,7 +46,7 @@ def layer_setups(draw, max_layers=6):
     return types, draw(st.integers(0, n - 1))
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(layer_setups(), st.booleans(), st.sampled_from([8, 16]), st.sampled_from([None, 1, 2]))
 def test_config_resolves_layers_as_transformers(setup, k_eq_v, global_head_dim, global_kv):
     types, shared = setup
@@ -99,7 +100,7 @@ def test_config_errors_name_the_value(bad, match):
         TextConfig.from_hf({**base, **bad})
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     st.sampled_from([8, 16, 24]),
     st.sampled_from([0.25, 0.5, 1.0]),
@@ -177,7 +178,7 @@ def _rel(a, b):
     return np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(
     text_setups(),
     st.integers(0, 2**31 - 1),
@@ -252,7 +253,7 @@ def _pad_chunks(rows, cuts):
     return out
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(chunked_rows())
 def test_vision_runs_agree_with_transformers_across_chunks(data):
     """Run ids from chunk after chunk (runs cut anywhere) = HF's block ids of the whole row."""
@@ -269,7 +270,7 @@ def test_vision_runs_agree_with_transformers_across_chunks(data):
         assert (np.equal.outer(got, got) == np.equal.outer(hf, hf)).all()
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(chunked_rows(), st.integers(0, 2**31 - 1))
 def test_image_index_runs_per_row_across_text_only_chunks(data, seed):
     """Chunk by chunk, each row reads its own soft tokens in order and image_idx only grows."""
@@ -296,7 +297,7 @@ def test_image_index_runs_per_row_across_text_only_chunks(data, seed):
         np.testing.assert_array_equal(merged[i, : len(row)], want)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2**31 - 1))
 def test_chunk_bounds_cover_and_keep_runs_whole(length, chunk, seed):
     ids = np.where(np.random.default_rng(seed).random(length) < 0.4, IMAGE, 9)
@@ -350,7 +351,7 @@ def test_unknown_blocking_mode_is_refused():
         attention_for("online", prefill=False, batch=1, queries=1, ctx_len=8)
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]), st.booleans())
 def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     """Prefill in chunks (2 rows, different prompts, padding columns on either side, sliding
@@ -410,7 +411,7 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     [(m, True) for m in blocking_names(prefill=True) if m not in DENSE_NAMES + ("kv_batch_fold",)]
     + [(m, False) for m in blocking_names() if m not in DENSE_NAMES + ("kv_batch_fold",)],
 )
-@settings(max_examples=1)
+@settings(max_examples=examples(1))
 @given(st.integers(1, 3), st.sampled_from([1, 2, 4]), st.integers(1, 9), st.integers(0, 2**31 - 1))
 def test_default_block_options_fit_every_phase_shape(mode, prefill, batch, group, seq, seed):
     """generate's default options for each mode are valid for any batch, chunk, GQA group and

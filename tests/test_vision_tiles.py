@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ref.gemma4.tiled_attention import check_tiles, tile_bounds, tiled_packed_attention
 from ref.gemma4.vision import packed_attention
+from tests.util import examples
 
 
 def oracle(q, k, v, segment_ids):
@@ -44,7 +45,7 @@ def problems(draw):
 
 
 # Each example runs op by op on new shapes (about a second): 30 examples keep the file short.
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(problems())
 def test_tiled_attention_equals_per_segment_oracle(problem):
     q, k, v, ids, tiles = problem

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weights
+from tests.util import examples
 from weights import CheckpointError
 
 READABLE = [code for code, (_, dt) in weights.DTYPES.items() if dt is not None]
@@ -85,7 +86,7 @@ def raw_slice(info: weights.TensorInfo) -> bytes:
 # ---------------------------------------------------------------- round trips
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(tensors=tensor_dicts, meta=metadata)
 def test_file_round_trip_bit_exact(tensors, meta):
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +110,7 @@ def test_file_round_trip_bit_exact(tensors, meta):
         assert not [p for p in os.listdir(tmp) if p != "x.safetensors"]  # no temp left behind
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(tensors=tensor_dicts.filter(bool), shard_bytes=st.none() | st.integers(1, 400))
 def test_checkpoint_round_trip_bit_exact(tensors, shard_bytes):
     config = {"model_type": "test", "n": len(tensors)}
@@ -169,7 +170,7 @@ def reference_files(draw):
     return blob, {k: v[:3] for k, v in entries.items()}, meta
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(case=reference_files())
 def test_reads_what_the_reference_library_writes(case):
     blob, expected, meta = case
@@ -194,7 +195,7 @@ def test_reads_what_the_reference_library_writes(case):
                 assert bits(weights.read_tensor(info)) == data
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(tensors=tensor_dicts, meta=metadata)
 def test_reference_library_reads_what_we_write(tensors, meta):
     with tempfile.TemporaryDirectory() as tmp:

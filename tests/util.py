@@ -31,9 +31,10 @@ def run_on_host_devices(script, devices):
     is fixed when jax starts) from the repository root; → its stdout. Fails the test with the
     output unless it exits 0 and its last line is "OK"."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = os.environ.get("XLA_FLAGS", "")
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=root,
     )
@@ -43,3 +44,10 @@ def run_on_host_devices(script, devices):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK"), proc.stdout
     return proc.stdout
+
+
+def examples(n):
+    """max_examples of a property test: n in the default run, chosen by the test's cost (the
+    table in docs/testing.md); 20 times as many in the long profile (`HYPOTHESIS_PROFILE=long`),
+    as tests without a count of their own go from hypothesis' 100 to the profile's 2000."""
+    return 20 * n if os.environ.get("HYPOTHESIS_PROFILE") == "long" else n
