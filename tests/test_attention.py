@@ -20,7 +20,7 @@ from transformers.models.gemma4 import modeling_gemma4 as hf
 from ref.attention import attend, blocked, mask, reference
 from ref.blocking import MODES
 from ref.cache import fold
-from tests.util import examples, rel_err, vision_runs
+from tests.util import examples, jitted, rel_err, vision_runs
 
 TOL = {np.float64: 1e-12, np.float32: 2e-6}
 
@@ -141,10 +141,10 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
     q, k, v, q_pos, kv_pos, groups = problem(
         rng, **shapes, dtype=dtype, scenario=scenario, vision=vision
     )
-    want = reference(q, k, v, q_pos, kv_pos, **groups, **extra)
+    want = jitted(reference, q, k, v, q_pos, kv_pos, **groups, **extra)
     if opts.get("batch_fold"):
         k, v = fold(k), fold(v)
-    got = blocked(q, k, v, q_pos, kv_pos, mode=mode, **opts, **groups, **extra)
+    got = jitted(blocked, q, k, v, q_pos, kv_pos, mode=mode, **opts, **groups, **extra)
     assert got.dtype == want.dtype == dtype
     assert got.shape == want.shape
     assert not np.isnan(np.asarray(got)).any()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ref import cache
 from ref.attention import blocked, reference
-from tests.util import examples
+from tests.util import examples, jitted
 
 
 def chunks(rng, n):
@@ -86,7 +86,8 @@ def test_chunked_prefill_through_the_cache_equals_one_shot(n, seed):
         kv_pos = cache.causal_positions(pos[:, part], t)
         chunk_blocks = int(rng.integers(1, size + 1))
         outs.append(
-            blocked(
+            jitted(
+                blocked,
                 q[:, :, part],
                 ck,
                 cv,
@@ -124,7 +125,8 @@ def test_sliding_window_ring_equals_one_shot(n, window, seed):
             ring_k, ring_v, ring_pos, k[:, :, part], v[:, :, part], pos[:, part]
         )
         outs.append(
-            blocked(
+            jitted(
+                blocked,
                 q[:, :, part],
                 kk,
                 vv,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ref.gemma4.tiled_attention import check_tiles, tile_bounds, tiled_packed_attention
 from ref.gemma4.vision import packed_attention
-from tests.util import examples
+from tests.util import examples, jitted
 
 
 def oracle(q, k, v, segment_ids):
@@ -44,12 +44,11 @@ def problems(draw):
     return q, k, v, np.asarray(ids, np.int32), tiles
 
 
-# Each example runs op by op on new shapes (about a second): 30 examples keep the file short.
 @settings(max_examples=examples(30))
 @given(problems())
 def test_tiled_attention_equals_per_segment_oracle(problem):
     q, k, v, ids, tiles = problem
-    got = np.asarray(tiled_packed_attention(q, k, v, ids, tiles))
+    got = np.asarray(jitted(tiled_packed_attention, q, k, v, ids, tiles=tiles))
     want = oracle(q, k, v, ids)
     assert got.dtype == np.float64
     assert np.all(got[ids < 0] == 0)

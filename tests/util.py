@@ -1,9 +1,11 @@
 """Small helpers shared by the test modules (one home each)."""
 
+import functools
 import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 
@@ -11,6 +13,21 @@ def rel_err(got, want):
     """max|got − want| / max|want| in float64 (want not all zero: 1e-30 guards the division)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def jitted(fn, *arrays, **kwargs):
+    """fn(*arrays, **kwargs) as one compiled program: positional and array keyword arguments
+    traced, every other keyword static. Eager JAX compiles each primitive of a new shape on
+    its own; a drawn example of an unrolled blocked mode is hundreds of them (measured on
+    tiled vision attention: 3.7x slower than one jit)."""
+    traced = {k: v for k, v in kwargs.items() if isinstance(v, np.ndarray | jax.Array)}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in traced))
+    return _compiled(fn, static)(*arrays, **traced)
+
+
+@functools.cache
+def _compiled(fn, static):
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def vision_runs(rng, n):
