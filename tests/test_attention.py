@@ -127,7 +127,7 @@ def cases(draw):
     return shapes, mode, opts, extra
 
 
-@settings(max_examples=examples(50))
+@settings(max_examples=examples(30))
 @given(
     cases(),
     st.sampled_from([np.float64, np.float32]),

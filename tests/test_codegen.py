@@ -32,13 +32,16 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(cache, tmp_path_factory):
-    """`python -m codegen export` (in process) of the default model; verify runs at its end."""
+    """`python -m codegen export` (in process) of the default model, every graph kind; the
+    test verifies it on fresh inputs (export's own verify at its end is the same function,
+    run by the CLI tests below: not twice here)."""
     out = tmp_path_factory.mktemp("exports") / "default"
     old = os.environ.get("GEMMA4_QAIC_CACHE")
     os.environ["GEMMA4_QAIC_CACHE"] = str(cache.parent)
     try:
         rc = main(
             ["export", "--model", str(cache), "--out", str(out), "--graphs", "model,attention"]
+            + ["--no-verify"]
         )
     finally:
         if old is None:
@@ -181,6 +184,19 @@ def test_non_empty_output_refused_then_forced(exported, cache, tmp_path, capsys)
     assert not (target / "stale.txt").exists()
     assert [g["name"] for g in manifest(target)["graphs"]] == ["attention_kv"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".forced.")]
+
+
+def test_cli_export_verifies_what_it_wrote(cache, tmp_path, capsys):
+    """`export` without --no-verify ends with verify's table: every output ok, rc 0."""
+    out = tmp_path / "out"
+    args = ["--graphs", "attention", "--blocking", "kv:num_kv_blocks=2"]
+    assert main(["export", "--model", str(cache), "--out", str(out), *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[-1:] == ["ok"])
+    verified = [line.split() for line in lines[head + 1 :]]
+    assert {r[0] for r in verified} == {"vision", "attention_kv"} and len(verified) == 7
+    assert all(r[-1] == "ok" for r in verified)
+    assert manifest(out)["options"]["verify"] is True
 
 
 def test_failed_export_leaves_nothing(cache, tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def small_config(**overrides):
     return VisionConfig(**{**base, **overrides})
 
 
-@settings(max_examples=examples(25))
+@settings(max_examples=examples(12))
 @given(cfg=vision_configs(), grid_list=grids(), pad=st.integers(0, 2), seed=st.integers(0, 99))
 def test_matches_transformers_per_item_and_per_layer(cfg, grid_list, pad, seed):
     model = hf_vision_model(cfg, seed)
@@ -68,7 +68,7 @@ def test_matches_transformers_per_item_and_per_layer(cfg, grid_list, pad, seed):
             assert rel_err(ours[a:b], theirs[i, : h * w].numpy()) <= RTOL_F32
 
 
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(5))
 @given(cfg=vision_configs(max_layers=2), grid_list=grids(max_items=4), seed=st.integers(0, 99))
 def test_embed_matches_transformers_image_features(cfg, grid_list, seed):
     cfg = VisionConfig(**{**cfg.__dict__, "text_hidden_size": 20})
@@ -85,7 +85,7 @@ def test_embed_matches_transformers_image_features(cfg, grid_list, seed):
         assert rel_err(ours, theirs.numpy()) <= RTOL_F32
 
 
-@settings(max_examples=examples(8))
+@settings(max_examples=examples(4))
 @given(
     cfg=vision_configs(max_layers=3),
     grid_list=grids(),
@@ -105,7 +105,7 @@ def test_item_unchanged_by_other_items_and_budget(cfg, grid_list, extra, seed):
         assert rel_err(budgeted[i], alone) <= 1e-6
 
 
-@settings(max_examples=examples(8))
+@settings(max_examples=examples(4))
 @given(cfg=vision_configs(max_layers=2), grid_list=grids(), extra=st.integers(1, 4))
 def test_dense_mask_equals_per_item_attention_float64_with_garbage_filler(cfg, grid_list, extra):
     model = hf_vision_model(cfg, 0)
