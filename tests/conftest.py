@@ -48,16 +48,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 SLOWEST_FIRST = [
     "test_codegen.py",
     "test_attention.py",
-    "test_vision.py",
-    "test_codegen_checks.py",
-    "test_model_export.py",
     "test_precision.py",
+    "test_model_export.py",
+    "test_codegen_checks.py",
+    "test_vision.py",
     "test_cache.py",
-    "test_attention_sharded.py",
-    "test_vision_tiles.py",
-    "test_generate.py",
     "test_text.py",
+    "test_generate.py",
     "test_mesh.py",
+    "test_vision_export_tiles.py",
+    "test_serve.py",
 ]
 
 
