@@ -181,7 +181,7 @@ def default_model(tmp_path_factory):
     return open_checkpoint(default_checkpoint(tmp_path_factory.mktemp("cache") / "default"))
 
 
-@settings(max_examples=examples(6), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     mode=st.sampled_from([n for n in blocking_names() if n not in DENSE_NAMES]),
     batch=st.integers(1, 2),
