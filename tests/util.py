@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+from hypothesis import settings
 
 
 def rel_err(got, want):
@@ -67,4 +68,4 @@ def examples(n):
     """max_examples of a property test: n in the default run, chosen by the test's cost (the
     table in docs/testing.md); 20 times as many in the long profile (`HYPOTHESIS_PROFILE=long`),
     as tests without a count of their own go from hypothesis' 100 to the profile's 2000."""
-    return 20 * n if os.environ.get("HYPOTHESIS_PROFILE") == "long" else n
+    return 20 * n if settings.get_current_profile_name() == "long" else n
