@@ -31,14 +31,15 @@ def _run_kit(args):
     return 0
 
 
-def _run_verify(folder, seed, check_shards=True):
+def _run_verify(folder, seed, check_shards=True, layerwise=None):
     from codegen.verify import table, verify
 
     if not check_shards:
         print(
             "verify: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr
         )
-    rows = verify(folder, seed=seed, check_shards=check_shards)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    rows = verify(folder, seed=seed, check_shards=check_shards, layerwise_given=layerwise, log=log)
     print(table(rows))
     bad = [r for r in rows if not r[-1]]
     if bad:
@@ -89,7 +90,7 @@ def main(argv=None):
         if args.command == "verify" and args.precision is not None:
             return _run_precision(args)
         if args.command == "verify":
-            return _run_verify(args.out, args.seed, not args.skip_shard_check)
+            return _run_verify(args.out, args.seed, not args.skip_shard_check, args.layerwise)
         if args.command == "drift":
             return _run_drift(args)
         if args.command == "run":

@@ -360,6 +360,23 @@ def parser():
         action="store_true",
         help="do not check the shards' sizes, sha256 and byte ranges against manifest.json",
     )
+    how = v.add_mutually_exclusive_group()
+    how.add_argument(
+        "--layerwise",
+        dest="layerwise",
+        action="store_const",
+        const=True,
+        help="check the language graphs layer by layer (each layer's weights read when it is "
+        "reached; memory set by the largest layer); default: when their float32 weights "
+        "exceed 4 GiB",
+    )
+    how.add_argument(
+        "--whole",
+        dest="layerwise",
+        action="store_const",
+        const=False,
+        help="check every graph whole (all its weights loaded at once)",
+    )
     v.add_argument(
         "--precision",
         choices=("float16", "fp16", "bfloat16", "bf16"),

@@ -32,6 +32,9 @@ from ref.gemma4.text_config import TextConfig
 # the slot's last module. "inside" stops re-interception.
 _LAYER = contextvars.ContextVar("codegen_layer", default=None)
 _INSIDE = contextvars.ContextVar("codegen_inside_layer", default=False)
+# `layer_check(hook)`: who runs each routed layer applied without functions (verify's
+# layer-by-layer check loads the layer's weights and compares with onnxruntime there).
+_CHECK = contextvars.ContextVar("codegen_layer_check", default=None)
 
 
 @contextlib.contextmanager
@@ -42,6 +45,19 @@ def layer_scope():
         yield
     finally:
         _LAYER.reset(token)
+
+
+@contextlib.contextmanager
+def layer_check(hook):
+    """While active, each routed layer applied without functions returns
+    `hook(module, kind, slot, arrays)` instead of `slot.apply(arrays + its params)`: module is
+    the bound layer (its `path` names its weights), arrays its array arguments in function-input
+    order (see `_Slot`)."""
+    token = _CHECK.set(hook)
+    try:
+        yield
+    finally:
+        _CHECK.reset(token)
 
 
 class GraphError(ValueError):
@@ -70,6 +86,8 @@ class GraphSpec:
     sample(symbols, rng) → dict of random inputs for one specialization. static: the symbols
     bound at trace time to the first specialization's values (block bounds are compile-time),
     the graph's I/O then labelled with them; the other symbols stay symbolic in the trace.
+    gathered: weights the reference reads only by row gathers (`ref.layers.Embedding`), so a
+    layer-by-layer check may read them row by row.
     """
 
     name: str
@@ -84,6 +102,7 @@ class GraphSpec:
     specializations: tuple
     retained: tuple = ()
     static: tuple = ()
+    gathered: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +130,12 @@ class _Slot:
             return self.module.apply({"params": params}, *args, **kwargs)
         finally:
             _INSIDE.reset(token)
+
+    def outputs(self, arrays, results):
+        """The layer's output tree from its inputs `arrays` (arguments, then parameters) and
+        the distinct `results` the function made (`results` gives their out_map)."""
+        leaves = [arrays[k] if src == "in" else results[k] for src, k in self.out_map]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
 
     def results(self, arrays):
         """(the distinct results made inside the layer, their out_map, the outputs' tree)."""
@@ -182,7 +207,8 @@ def route_layers(layer_type, use_functions, kind):
         state[name] = slot
         inputs = [*arrays, *p_leaves]
         if not use_functions:
-            return slot.apply(inputs)
+            hook = _CHECK.get()
+            return slot.apply(inputs) if hook is None else hook(module, name, slot, arrays)
         if slot.out_tree is None:
             found = {}
 
@@ -194,8 +220,7 @@ def route_layers(layer_type, use_functions, kind):
             slot = dataclasses.replace(slot, out_tree=found["tree"], out_map=found["map"])
             state[name] = slot
         made = globals()[layer_function(name)](*inputs)
-        leaves = [inputs[k] if src == "in" else made[k] for src, k in slot.out_map]
-        return jax.tree_util.tree_unflatten(slot.out_tree, leaves)
+        return slot.outputs(inputs, made)
 
     return interceptor
 

@@ -261,11 +261,14 @@ def model_graph(
     if use_functions:
         for kind in set(kinds):
             layer_function(kind)
-    plain = forward(reference, False)
 
-    def run_reference(feed, weights):
+    def run_reference(feed, weights, attention=reference):
+        """`ref` on the sample `feed` and float32 `weights`, attending with `attention`
+        (a kernel with `reference`'s signature and answer)."""
         args = [jnp.asarray(feed[t.name]) for t in ids + cache_in]
-        out = plain(*args, *(jnp.asarray(weights[n], jnp.float32) for n in names))
+        out = forward(attention, False)(
+            *args, *(jnp.asarray(weights[n], jnp.float32) for n in names)
+        )
         return {t.name: np.asarray(x) for t, x in zip(outputs, out, strict=True)}
 
     base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
@@ -301,7 +304,17 @@ def model_graph(
         specializations=specs,
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
         static=tuple(base),
+        gathered=_gathered(prefix, names),
     )
+
+
+def _gathered(prefix, names):
+    """The tables `ref` only gathers rows of: per-layer embeddings, and the token embeddings
+    when the checkpoint has its own lm_head (else they are the logits' weights too)."""
+    tables = [prefix + "embed_tokens_per_layer.weight"]
+    if LM_HEAD in names:
+        tables.append(prefix + "embed_tokens.weight")
+    return tuple(n for n in tables if n in names)
 
 
 def _config_json(blocking):

@@ -7,6 +7,7 @@ dense reference, not the blocked code that was exported) on the same float32 wei
 """
 
 import json
+import math
 import os
 import zlib
 
@@ -14,12 +15,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from codegen import attention_graph, external, graphs, model_graphs, vision_graph
+from codegen import attention_graph, external, graphs, layerwise, model_graphs, vision_graph
 from codegen.export import MANIFEST
 from codegen.integrity import check_folder
 from weights import open_checkpoint
 
-RTOL = 1e-5  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation across a few layers
+RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation
+# Language graphs whose float32 weights exceed this are checked layer by layer by default.
+LAYERWISE_BYTES = 4 << 30
 
 
 class VerifyError(ValueError):
@@ -67,6 +70,17 @@ def rebuild(entry, checkpoint):
     raise VerifyError(f"graph {entry['name']!r} has unknown kind {entry['kind']!r}")
 
 
+def load_graph(entry, folder, checkpoint):
+    """The graph as an in-memory ModelProto (external data left on disk); `--weights inputs`
+    graphs get their weights bound from the weight spec."""
+    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+    if entry.get("weight_spec") is not None:
+        with open(os.path.join(folder, entry["weight_spec"])) as f:
+            spec = json.load(f)
+        external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
+    return model
+
+
 def open_session(entry, folder, checkpoint):
     """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
     from the weight spec (written beside the folder's other files, removed after loading)."""
@@ -75,10 +89,7 @@ def open_session(entry, folder, checkpoint):
     opts.log_severity_level = 3
     if entry.get("weight_spec") is None:
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    with open(os.path.join(folder, entry["weight_spec"])) as f:
-        spec = json.load(f)
-    model = onnx.load(path, load_external_data=False)
-    external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
+    model = load_graph(entry, folder, checkpoint)
     bound = os.path.join(folder, f".verify.{entry['name']}.onnx")
     try:
         with open(bound, "wb") as f:
@@ -100,42 +111,91 @@ def read_manifest(folder, *, check_shards=True):
     return manifest
 
 
-def verify(folder, *, seed=0, check_shards=True):
-    """Rows (graph, specialization, output, max abs error, relative error, ok) for every graph,
-    specialization and output of the export in `folder` (checked first: `read_manifest`)."""
+def float32_bytes(spec, checkpoint):
+    """Bytes of the graph's weights as float32 (what a whole-graph check holds twice)."""
+    return sum(4 * math.prod(checkpoint.tensors[n].shape) for n in spec.weights)
+
+
+def _sample(spec, s, seed):
+    rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
+    return spec.sample(s["symbols"], rng)
+
+
+def _whole(spec, entry, folder, checkpoint, seed):
+    """Rows (specialization, output, err, rel, where, ok) of the whole graph in onnxruntime
+    against `ref` with every weight loaded."""
+    session = open_session(entry, folder, checkpoint)
+    weights = {n: checkpoint.read(n).astype(np.float32) for n in spec.weights}
+    rows = []
+    for s in spec.specializations:
+        feed = _sample(spec, s, seed)
+        with graphs.layer_scope():
+            want = spec.reference(feed, weights)
+        got = dict(
+            zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True)
+        )
+        for t in spec.outputs:
+            err, rel = layerwise.error(got[t.name], want[t.name])
+            rows.append((s["name"], t.name, err, rel, "whole graph", bool(rel <= RTOL)))
+    return rows
+
+
+def _layered(spec, entry, folder, checkpoint, seed, log):
+    """Rows as `_whole`'s, checked layer by layer (`codegen.layerwise`)."""
+    model = load_graph(entry, folder, checkpoint)
+    rows = []
+    for s in spec.specializations:
+        feed = _sample(spec, s, seed)
+        found = layerwise.verify_specialization(spec, model, folder, checkpoint, feed, log=log)
+        rows += [(s["name"], *r) for r in found]
+    return rows
+
+
+def way(spec, entry, folder, checkpoint, layerwise_given=None):
+    """ "layers" or "whole": how `verify` checks this graph. Language graphs whose layers are
+    ONNX functions go layer by layer when asked (layerwise_given True) or, by default, when
+    their float32 weights exceed LAYERWISE_BYTES; everything else whole."""
+    if layerwise_given is False or entry["kind"] not in ("prefill", "decode"):
+        return "whole"
+    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+    if not layerwise.has_layers(model):
+        return "whole"
+    if layerwise_given or float32_bytes(spec, checkpoint) > LAYERWISE_BYTES:
+        return "layers"
+    return "whole"
+
+
+def verify(folder, *, seed=0, check_shards=True, layerwise_given=None, log=None):
+    """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
+    graph, specialization and output of the export in `folder` (checked first:
+    `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
+    layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
+    by layer, per layer."""
+    log = log or (lambda line: None)
     folder = os.path.abspath(folder)
     manifest = read_manifest(folder, check_shards=check_shards)
     checkpoint = open_checkpoint(folder)
     rows = []
     for entry in manifest["graphs"]:
         spec = rebuild(entry, checkpoint)
-        session = open_session(entry, folder, checkpoint)
-        weights = {n: checkpoint.read(n).astype(np.float32) for n in spec.weights}
-        for s in spec.specializations:
-            rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
-            feed = spec.sample(s["symbols"], rng)
-            with graphs.layer_scope():
-                want = spec.reference(feed, weights)
-            got = dict(
-                zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True)
-            )
-            for t in spec.outputs:
-                ref, out = np.asarray(want[t.name], np.float64), np.asarray(got[t.name])
-                if out.shape != ref.shape:
-                    rows.append((spec.name, s["name"], t.name, float("inf"), float("inf"), False))
-                    continue
-                err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
-                scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-                rel = err / scale if scale else err
-                rows.append((spec.name, s["name"], t.name, err, rel, bool(rel <= RTOL)))
+        how = way(spec, entry, folder, checkpoint, layerwise_given)
+        gib = float32_bytes(spec, checkpoint) / 2**30
+        log(f"verify {spec.name}: {'layer by layer' if how == 'layers' else 'whole graph'} "
+            f"({gib:.2f} GiB of float32 weights)")  # fmt: skip
+        if how == "layers":
+            found = _layered(spec, entry, folder, checkpoint, seed, log)
+        else:
+            found = _whole(spec, entry, folder, checkpoint, seed)
+        rows += [(spec.name, *r) for r in found]
     return rows
 
 
 def table(rows):
     """The verify table as text."""
-    head = ("graph", "specialization", "output", "max abs err", "rel err", "ok")
+    head = ("graph", "specialization", "output", "max abs err", "rel err", "worst at", "ok")
     body = [
-        (g, s, o, f"{e:.2e}", f"{r:.2e}", "ok" if ok else "MISMATCH") for g, s, o, e, r, ok in rows
+        (g, s, o, f"{e:.2e}", f"{r:.2e}", w, "ok" if ok else "MISMATCH")
+        for g, s, o, e, r, w, ok in rows
     ]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     return "\n".join(

@@ -1,0 +1,356 @@
+"""`verify` layer by layer: a released-size graph checked in memory set by its largest layer.
+
+The exported graph calls one ONNX function per decoder layer. Its top-level nodes are cut into
+segments: each layer call alone (with the Casts of its own weights), and the runs of glue
+between calls (embeddings, vision merge, masks, rotary tables, final norm, logits). `ref` runs
+the graph's composition eagerly with every layer's weights left out; when it reaches a layer,
+`check` reads that layer's weights from the shards, runs the `ref` layer, and runs in
+onnxruntime first the glue segments that come before the call, then the call alone on the
+same inputs `ref` gave its layer (so an error stays in the layer that made it). onnxruntime's
+values that `ref` also has are compared where both exist: glue results against the `ref`
+layer's inputs, each call's results against the `ref` layer's results, the graph's other
+outputs against `ref`'s at the end. Then the layer's weights and sessions are dropped, and
+values no later segment reads are freed.
+
+The dense attention of `ref` runs one slice of queries at a time (`sliced_reference`), so its
+scores stay near `SCORE_BYTES` at any context length.
+"""
+
+import dataclasses
+import os
+import re
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from codegen import graphs
+from ref.attention import reference
+from ref.layers import Embedding
+
+RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
+SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
+LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
+_PLACEHOLDER = np.zeros((0,), np.float32)
+
+
+class LayerwiseError(ValueError):
+    """The graph cannot be checked layer by layer (no layer functions in it)."""
+
+
+def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, **kw):
+    """`ref.attention.reference` computed over slices of the queries, concatenated (exact:
+    each query attends independently). q: [B, H, S, D]; the slice keeps H·slice·T float32
+    scores under SCORE_BYTES."""
+    b, h, s, _ = q.shape
+    step = max(1, SCORE_BYTES // (4 * b * h * k.shape[2]))
+    if step >= s:
+        return reference(q, k, v, q_pos, kv_pos, q_group=q_group, kv_group=kv_group, **kw)
+    parts = []
+    for a in range(0, s, step):
+        z = slice(a, min(a + step, s))
+        grp = (None, None) if q_group is None else (q_group[:, z], kv_group)
+        parts.append(
+            reference(q[:, :, z], k, v, q_pos[:, z], kv_pos, q_group=grp[0], kv_group=grp[1], **kw)
+        )
+    return jnp.concatenate(parts, axis=2)
+
+
+def has_layers(model):
+    """True when the top-level graph calls the model's own functions (layers)."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    return any((n.domain, n.op_type) in functions for n in model.graph.node)
+
+
+@dataclasses.dataclass
+class Segment:
+    """Top-level nodes run as one onnxruntime model: a layer call (`layer` its index among the
+    calls) or glue (`layer` None); `needs` the values it reads from earlier segments or the
+    graph inputs, `makes` the values later segments or the graph's outputs read."""
+
+    nodes: list
+    layer: int | None
+    needs: list = dataclasses.field(default_factory=list)
+    makes: list = dataclasses.field(default_factory=list)
+    weights: list = dataclasses.field(default_factory=list)
+
+
+def _constant_values(graph):
+    """Names whose value is fixed by the graph alone: initializers and the outputs of nodes
+    that read nothing else (weight Casts, Constants)."""
+    fixed = {t.name for t in graph.initializer}
+    producer = {}
+    for node in graph.node:
+        if all(x in fixed or x == "" for x in node.input):
+            fixed.update(node.output)
+            for o in node.output:
+                producer[o] = node
+    return fixed, producer
+
+
+def segments(model):
+    """The graph's top-level nodes cut into `Segment`s, in execution order (see the module)."""
+    graph = model.graph
+    functions = {(f.domain, f.name) for f in model.functions}
+    fixed, const_producer = _constant_values(graph)
+    initializers = {t.name for t in graph.initializer}
+    const_nodes = {id(n) for n in const_producer.values()}
+    order = {id(n): i for i, n in enumerate(graph.node)}
+    out, layer = [], 0
+    for node in graph.node:
+        if id(node) in const_nodes:
+            continue
+        if (node.domain, node.op_type) in functions:
+            out.append(Segment([node], layer))
+            layer += 1
+        elif out and out[-1].layer is None:
+            out[-1].nodes.append(node)
+        else:
+            out.append(Segment([node], None))
+    last_use = {}
+    for i, seg in enumerate(out):
+        made = set()
+        pulled, weights = [], []
+        for node in seg.nodes:
+            stack = [x for x in node.input if x in fixed and x not in initializers]
+            while stack:
+                name = stack.pop()
+                c = const_producer[name]
+                if id(c) not in {id(p) for p in pulled}:
+                    pulled.append(c)
+                    stack += [x for x in c.input if x in fixed and x not in initializers]
+        seg.nodes = sorted(pulled, key=lambda n: order[id(n)]) + seg.nodes
+        for node in seg.nodes:
+            for x in node.input:
+                if x in initializers:
+                    weights.append(x)
+                elif x and x not in made and x not in seg.needs:
+                    seg.needs.append(x)
+                    last_use[x] = i
+            made.update(node.output)
+        seg.weights = list(dict.fromkeys(weights))
+    outputs = {o.name for o in graph.output}
+    for i, seg in enumerate(out):
+        for node in seg.nodes:
+            seg.makes += [o for o in node.output if last_use.get(o, -1) > i or o in outputs]
+    return out, last_use
+
+
+_ONNX_TYPES = {
+    np.dtype(np.float32): onnx.TensorProto.FLOAT,
+    np.dtype(np.float64): onnx.TensorProto.DOUBLE,
+    np.dtype(np.int32): onnx.TensorProto.INT32,
+    np.dtype(np.int64): onnx.TensorProto.INT64,
+    np.dtype(np.bool_): onnx.TensorProto.BOOL,
+}
+
+
+class Runner:
+    """onnxruntime over one graph's segments at one specialization (see the module)."""
+
+    def __init__(self, model, folder, feed):
+        self.model, self.folder = model, folder
+        self.segments, self.last_use = segments(model)
+        self.inits = {t.name: t for t in model.graph.initializer}
+        self.values = dict(feed)
+        self.outputs = {o.name for o in model.graph.output}
+        self.made = {}  # graph outputs onnxruntime made, compared at the end
+        self.next = 0
+        self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
+
+    def _session(self, seg, feed):
+        graph = helper.make_graph(
+            seg.nodes,
+            f"segment_{self.next}",
+            [
+                helper.make_tensor_value_info(n, _ONNX_TYPES[np.asarray(feed[n]).dtype], None)
+                for n in seg.needs
+            ],
+            [onnx.ValueInfoProto(name=n) for n in seg.makes],
+            initializer=[self.inits[w] for w in seg.weights],
+        )
+        m = helper.make_model(
+            graph,
+            opset_imports=list(self.model.opset_import),
+            ir_version=self.model.ir_version,
+            functions=list(self.model.functions),
+        )
+        path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        try:
+            with open(path, "wb") as f:
+                f.write(m.SerializeToString())
+            return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        finally:
+            os.remove(path)
+
+    def _run(self, seg, feed):
+        session = self._session(seg, feed)
+        out = session.run(seg.makes, {n: feed[n] for n in seg.needs})
+        index = self.next
+        self.next += 1
+        for n, v in zip(seg.makes, out, strict=True):
+            if n in self.outputs and seg.layer is None:
+                self.made[n] = v
+        for n in seg.needs:
+            if self.last_use.get(n) == index and n not in self.outputs:
+                self.values.pop(n, None)
+        return dict(zip(seg.makes, out, strict=True))
+
+    def glue_until(self, call):
+        """Run the glue before layer call `call` (all remaining glue when None)."""
+        stop = len(self.segments) if call is None else self.calls[call]
+        while self.next < stop:
+            seg = self.segments[self.next]
+            if seg.layer is not None:
+                raise LayerwiseError(f"layer call {seg.layer} reached before `ref` gave it")
+            self.values.update(self._run(seg, self.values))
+
+    def layer(self, call, kind, arrays, n_weights, made):
+        """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its `n_weights`
+        weights → (its inputs as onnxruntime's glue made them, or None where `ref`'s carry
+        on, and its results on `ref`'s inputs); then `ref`'s results `made` carry on."""
+        self.glue_until(call)
+        seg = self.segments[self.next]
+        node = seg.nodes[-1]
+        args = list(node.input)[: len(arrays)]
+        if (node.op_type, len(node.input)) != (kind, len(arrays) + n_weights):
+            raise LayerwiseError(
+                f"layer call {call} is {node.op_type} with {len(node.input)} inputs; `ref` "
+                f"called {kind} with {len(arrays)} arrays and {n_weights} weights"
+            )
+        glue = {n: self.values[n] for n in args if n in self.values}
+        feed = dict(self.values)
+        feed.update({n: np.asarray(a) for n, a in zip(args, arrays, strict=True)})
+        got = self._run(seg, feed)
+        ours = [got[o] for o in node.output]
+        for n, v in zip(node.output, made, strict=True):
+            if self.last_use.get(n, -1) >= self.next or n in self.outputs:
+                self.values[n] = np.asarray(v)
+        return [glue.get(n) for n in args], ours
+
+
+def error(got, want):
+    """(max abs error, relative error) of onnxruntime's `got` against `ref`'s `want`."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return float("inf"), float("inf")
+    if not want.size:
+        return 0.0, 0.0
+    err = float(np.max(np.abs(got - want)))
+    scale = float(np.max(np.abs(want)))
+    return err, err / scale if scale else err
+
+
+class Worst:
+    """The largest relative error per compared output, and where it was."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def add(self, output, got, want, where, exact=False):
+        err, rel = error(got, want)
+        ok = err == 0 if exact else rel <= RTOL
+        old = self.rows.get(output)
+        if old is None or (not ok and old[3]) or (ok == old[3] and rel > old[1]):
+            self.rows[output] = (err, rel, where, ok)
+
+
+def _checkpoint_name(names, module, keys):
+    """The checkpoint name of parameter `keys` of the bound `module`: the one name of the
+    graph's weights ending in the module's path and the keys."""
+    suffix = ".".join([*module.path, *keys])
+    found = [n for n in names if n == suffix or n.endswith("." + suffix)]
+    if len(found) != 1:
+        raise LayerwiseError(f"parameter {suffix!r}: {len(found)} checkpoint names end in it")
+    return found[0]
+
+
+def _layer_weights(names, checkpoint, module):
+    """The bound layer's parameters read from the shards as float32, in leaf order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(module.variables["params"])
+    out = []
+    for path, _ in flat:
+        name = _checkpoint_name(names, module, [k.key for k in path])
+        out.append(jnp.asarray(checkpoint.read(name), jnp.float32))
+    return out
+
+
+def _gather_rows(names, checkpoint):
+    """An interceptor computing `ref.layers.Embedding` from the shard's rows when its table
+    was left out (`weight[ids] · scale`, only the rows asked for are read)."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if not isinstance(module, Embedding) or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        if module.variables["params"]["weight"].size:
+            return next_fun(*args, **kwargs)
+        table = checkpoint.read(_checkpoint_name(names, module, ["weight"]))
+        rows = np.asarray(table[np.asarray(args[0])], np.float32)
+        return jnp.asarray(rows) * jnp.asarray(module.scale, jnp.float32)
+
+    return interceptor
+
+
+class _Weights(dict):
+    """verify's {name: float32 weight}, with every layer's and every row-gathered table's
+    weights left out (an empty placeholder): they are read when `ref` reaches them."""
+
+    def __init__(self, spec, checkpoint):
+        super().__init__()
+        self.deferred = {n for n in spec.weights if LAYER_NAME.search(n)} | set(spec.gathered)
+        for n in spec.weights:
+            self[n] = (
+                _PLACEHOLDER if n in self.deferred else np.asarray(checkpoint.read(n), np.float32)
+            )
+
+
+def verify_specialization(spec, model, folder, checkpoint, feed, log):
+    """Rows (output, max abs err, rel err, where, ok) of the graph `model` (`spec`'s export)
+    on the inputs `feed`, checked layer by layer; log(line) reports each layer."""
+    runner = Runner(model, folder, feed)
+    worst = Worst()
+    weights = _Weights(spec, checkpoint)
+    names = spec.weights
+    calls = []
+    started = time.perf_counter()
+
+    def check(module, kind, slot, arrays):
+        k = len(calls)
+        params = _layer_weights(names, checkpoint, module)
+        inputs = [*arrays, *params]
+        made, out_map, tree = slot.results(inputs)
+        slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
+        where = f"layer {k} ({kind})"
+        glue, ours = runner.layer(k, kind, arrays, len(params), made)
+        for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
+            if g is not None:
+                worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")
+        named = runner.segments[runner.calls[k]].nodes[-1].output
+        for n, o, r in zip(named, ours, made, strict=True):
+            output = n if n in runner.outputs else "layer outputs"
+            worst.add(output, o, r, where)
+        calls.append(k)
+        log(f"  {spec.name}: {where} checked, {time.perf_counter() - started:.1f} s")
+        return slot.outputs(inputs, made)
+
+    with (
+        graphs.layer_scope(),
+        graphs.layer_check(check),
+        nn.intercept_methods(_gather_rows(names, checkpoint)),
+    ):
+        want = spec.reference(feed, weights, attention=sliced_reference)
+    runner.glue_until(None)
+    for t in spec.outputs:
+        if t.name in runner.made and t.name not in worst.rows:
+            exact = np.asarray(want[t.name]).dtype.kind != "f"
+            worst.add(t.name, runner.made[t.name], want[t.name], "glue", exact=exact)
+    order = [t.name for t in spec.outputs] + ["layer inputs", "layer outputs"]
+    return [(o, *worst.rows[o]) for o in order if o in worst.rows]
