@@ -1,0 +1,127 @@
+"""`verify` layer by layer (`codegen.layerwise`) on the embedded default model, forced on: its
+verdict equals the whole-graph check's, and a graph bound to a wrong weight is named by layer.
+
+The oracle of both paths is `ref` on the checkpoint's own bytes read by name; the corruption
+tests edit only the exported .onnx (an initializer pointed at another tensor's bytes of the
+same shape), so `ref` is untouched and onnxruntime computes with the wrong weight.
+"""
+
+import os
+import shutil
+
+import onnx
+import pytest
+
+from codegen.__main__ import main
+from codegen.defaults import default_checkpoint
+from codegen.verify import verify
+
+LAYERED = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """The default model's vision, prefill (blocked: query chunks × KV blocks) and decode
+    (head-parallel KV blocks, skip_kv) graphs, one budget, with 3 cache slots."""
+    model = default_checkpoint(tmp_path_factory.mktemp("cache") / "default")
+    folder = tmp_path_factory.mktemp("exports") / "layered"
+    rc = main(
+        ["export", "--model", str(model), "--out", str(folder), "--budgets", "70"]
+        + ["--prefill-blocking", "qkv:prefill_block_chunks=2,num_kv_blocks=2"]
+        + ["--decode-blocking", "kv_headpar:num_kv_blocks=2,skip_kv=true"]
+        + ["--full-batch-size", "3", "--no-verify"]
+    )
+    assert rc == 0
+    return folder
+
+
+def _bad(rows):
+    return [r for r in rows if not r[-1]]
+
+
+def test_layer_by_layer_gives_the_whole_graph_verdict(out):
+    whole = verify(out, seed=2, layerwise_given=False)
+    layered = verify(out, seed=2, layerwise_given=True)
+    assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
+    assert {r[:3] for r in whole} <= {r[:3] for r in layered}
+    for g, _, o, _, _, where, _ in layered:
+        if g in LAYERED and o == "layer outputs":
+            assert where.startswith("layer "), (g, o, where)
+        if g not in LAYERED:
+            assert where == "whole graph"
+    assert {(g, o) for g, _, o, *_ in layered} >= {(g, "layer outputs") for g in LAYERED}
+    # the default for a tiny model is the whole graph
+    assert {r[5] for r in verify(out, seed=2)} == {"whole graph"}
+
+
+def _same_shape_pair(model, needle):
+    """Two external initializers of different layers whose names end in `needle`, same shape
+    and type."""
+    found = {}
+    for t in model.graph.initializer:
+        if t.name.endswith(needle):
+            found.setdefault((tuple(t.dims), t.data_type), []).append(t)
+    pair = next(ts for ts in found.values() if len(ts) >= 2)
+    return pair[0], pair[1]
+
+
+def _layer_of(name):
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def _rebind(folder, graph, target, source):
+    """`graph`.onnx in `folder` with initializer `target` reading `source`'s bytes."""
+    path = os.path.join(folder, f"{graph}.onnx")
+    model = onnx.load(path, load_external_data=False)
+    by_name = {t.name: t for t in model.graph.initializer}
+    del by_name[target].external_data[:]
+    by_name[target].external_data.extend(by_name[source].external_data)
+    tmp = path + ".tmp"
+    onnx.save(model, tmp)
+    os.replace(tmp, path)
+
+
+@pytest.fixture
+def copy(out, tmp_path):
+    """A copy of the export whose .onnx files a test may edit (shards hard-linked, unchanged)."""
+    folder = tmp_path / "copy"
+    shutil.copytree(out, folder, copy_function=os.link)
+    for graph in LAYERED:
+        os.remove(folder / f"{graph}.onnx")
+        shutil.copyfile(out / f"{graph}.onnx", folder / f"{graph}.onnx")
+    return folder
+
+
+@pytest.mark.parametrize("graph", LAYERED)
+def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph):
+    model = onnx.load(copy / f"{graph}.onnx", load_external_data=False)
+    target, source = _same_shape_pair(model, "mlp.down_proj.weight")
+    _rebind(copy, graph, target.name, source.name)
+    rows = verify(copy, seed=3, check_shards=False, layerwise_given=True)
+    bad = _bad(rows)
+    assert bad and {r[0] for r in bad} == {graph}, rows
+    layer = f"layer {_layer_of(target.name)} "
+    wrong = [r for r in bad if r[2] == "layer outputs"]
+    assert wrong and all(r[5].startswith(layer) for r in wrong), bad
+    # the whole-graph check fails on the same graph
+    assert {r[0] for r in _bad(verify(copy, seed=3, check_shards=False))} == {graph}
+
+
+def test_a_wrong_glue_weight_is_named_as_glue(copy):
+    model = onnx.load(copy / "prefill.onnx", load_external_data=False)
+    norms = [t.name for t in model.graph.initializer if t.name.endswith("layernorm.weight")]
+    final = next(
+        t.name for t in model.graph.initializer if t.name.endswith("language_model.norm.weight")
+    )
+    _rebind(copy, "prefill", final, norms[0])
+    rows = verify(copy, seed=4, check_shards=False, layerwise_given=True)
+    bad = _bad(rows)
+    assert [(r[0], r[2], r[5]) for r in bad] == [("prefill", "logits", "glue")], rows
+
+
+def test_cli_prints_which_way_and_each_layer(out, capsys):
+    assert main(["verify", str(out), "--layerwise"]) == 0
+    err = capsys.readouterr().err
+    assert "verify vision: whole graph" in err
+    assert "verify prefill: layer by layer" in err
+    assert "prefill: layer 3 (" in err and "decode: layer 0 (" in err
