@@ -1,0 +1,203 @@
+"""`verify` of released-size Gemma 4 exports on one host: peak memory, time, worst error.
+
+For each model asked for (`benchmarks/gemma4_configs.py`) the benchmark writes a checkpoint
+with the released shapes, sharded as `export_weight_free.py` shards it, whose tensors hold
+random bf16 values (normal, std 0.02 for matrices; near 1 for norm scales so activations stay
+in range): every tensor (`--random all`, the default for E2B), or the first `--random N`
+decoder layers of each kind plus every tensor outside the decoder layers, the rest left as
+holes that read as zeros (a 31B-shape checkpoint would otherwise write 58 GiB). It exports it
+(`--no-verify`, shapes from the options below) and runs, in a child process,
+
+    python -m codegen verify OUT
+
+measuring wall seconds and peak RSS (`os.wait4`'s `ru_maxrss` of that one process) and
+reading the table's worst relative error per graph and where it was (layer or glue). The
+default run is E2B at seq_len 128 / ctx_len 8192 (minutes); `--production` uses QEfficient's
+production shapes (prefill seq_len 1024 in qkv with 8 query chunks × 16 KV blocks, decode
+kv_headpar 8 blocks with skip_kv, ctx_len 65536, sliding ring); `--models E2B,31B`.
+
+Goal (issue 23): peak RSS <= 8 GB for each.
+
+    python benchmarks/verify_full_size.py [--models E2B] [--random all|N] [--production]
+        [--keep DIR]
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from export_weight_free import write_sparse_checkpoint  # noqa: E402
+from gemma4_configs import CONFIGS  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from weights import open_checkpoint  # noqa: E402
+
+GOAL_RSS = 8e9
+CHUNK = 1 << 24  # values drawn at a time
+PRODUCTION = [
+    "--seq-len", "1024", "--ctx-len", "65536", "--sliding-ring",
+    "--prefill-blocking", "qkv:prefill_block_chunks=8,num_kv_blocks=16",
+    "--decode-blocking", "kv_headpar:num_kv_blocks=8,skip_kv=true",
+]  # fmt: skip
+SMALL = ["--seq-len", "128", "--ctx-len", "8192"]
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _scale_of(name):
+    """(mean, std) of the random values of a tensor: norm scales near 1, the rest N(0, 0.02)."""
+    if "norm" in name or name.endswith("layer_scalar"):
+        return 1.0, 0.05
+    return 0.0, 0.02
+
+
+def fill(info, rng):
+    """Write random bf16 values over tensor `info`'s bytes in its shard (in place)."""
+    mean, std = _scale_of(info.name)
+    count = math.prod(info.shape)
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset)
+        for start in range(0, count, CHUNK):
+            n = min(CHUNK, count - start)
+            x = (rng.standard_normal(n, dtype=np.float32) * std + mean).view(np.uint32)
+            f.write((x >> 16).astype(np.uint16).tobytes())
+
+
+def chosen(names, random):
+    """The tensors to fill: all, or those outside decoder layers plus the first `random`
+    layers (by index) of the language model and the vision tower."""
+    if random == "all":
+        return list(names)
+    keep = []
+    for n in names:
+        m = LAYER.search(n)
+        if m is None or int(m.group(1)) < int(random):
+            keep.append(n)
+    return keep
+
+
+def write_checkpoint(folder, config, random, seed=0):
+    """A sparse checkpoint (export_weight_free) with the chosen tensors filled; -> bytes
+    filled."""
+    write_sparse_checkpoint(folder, config)
+    ckpt = open_checkpoint(folder)
+    rng = np.random.default_rng(seed)
+    done = 0
+    for name in chosen(sorted(ckpt.tensors), random):
+        fill(ckpt.tensors[name], rng)
+        done += ckpt.tensors[name].nbytes
+    return done
+
+
+def child(cmd, log):
+    """Run cmd with output to `log`; -> (exit code, wall s, peak RSS bytes)."""
+    with open(log, "wb") as f:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss * 1024
+
+
+def worst_per_graph(text):
+    """{graph: (rel err, output, where, all ok)} from verify's table."""
+    out = {}
+    for line in text.splitlines():
+        parts = re.split(r"\s{2,}", line.strip())
+        if len(parts) != 7 or parts[0] == "graph":
+            continue
+        graph, _, output, _, rel, where, ok = parts
+        rel = float(rel)
+        old = out.get(graph)
+        good = (old[3] if old else True) and ok == "ok"
+        if old is None or rel > old[0]:
+            out[graph] = (rel, output, where, good)
+        else:
+            out[graph] = (*old[:3], good)
+    return out
+
+
+def bench(name, root, args):
+    """Checkpoint, export and verify one model; -> result dict."""
+    model, out = root / f"{name}-ckpt", root / f"{name}-out"
+    if not model.exists():
+        start = time.perf_counter()
+        filled = write_checkpoint(model, CONFIGS[name], args.random)
+        print(f"{name}: wrote {filled / 2**30:.1f} GiB of random bf16 in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    shapes = PRODUCTION if args.production else SMALL
+    export = [sys.executable, "-m", "codegen", "export", "--model", str(model), "--out", str(out)]
+    export += ["--budgets", "280,1120", "--no-verify", "--no-hash", *shapes]
+    rc, export_s, export_rss = child(export, root / f"{name}-export.log")
+    if rc:
+        return {"model": name, "error": (root / f"{name}-export.log").read_text()[-2000:]}
+    log = root / f"{name}-verify.log"
+    rc, wall, rss = child([sys.executable, "-m", "codegen", "verify", str(out)], log)
+    text = log.read_text(errors="replace")
+    return {
+        "model": name,
+        "export_s": export_s,
+        "export_rss": export_rss,
+        "verify_s": wall,
+        "verify_rss": rss,
+        "rc": rc,
+        "graphs": worst_per_graph(text),
+        "log": str(log),
+    }
+
+
+def table(results):
+    rows = ["| model | graph | worst rel err | output | where | ok | verify s | peak RSS GB |"]
+    rows.append("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['model']} | export failed | | | | | | |")
+            continue
+        for g, (rel, output, where, ok) in r["graphs"].items():
+            verdict = "ok" if ok else "MISMATCH"
+            rows.append(
+                f"| {r['model']} | {g} | {rel:.2e} | {output} | {where} | {verdict} | "
+                f"{r['verify_s']:.0f} | {r['verify_rss'] / 1e9:.2f} |"
+            )
+    return "\n".join(rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="E2B")
+    p.add_argument(
+        "--random", default="all", help="'all' or N: random values in the first N layers"
+    )
+    p.add_argument("--production", action="store_true", help="QEfficient's production shapes")
+    p.add_argument("--keep", type=Path, help="keep checkpoints and exports here (reused)")
+    args = p.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="verify_full_size."))
+    root.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for name in args.models.split(","):
+            results.append(bench(name, root, args))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "graphs"}), flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(table(results))
+    ok = all("error" not in r and r["rc"] == 0 and r["verify_rss"] <= GOAL_RSS for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
