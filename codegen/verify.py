@@ -155,7 +155,7 @@ def way(spec, entry, folder, checkpoint, layerwise_given=None):
     """ "layers" or "whole": how `verify` checks this graph. Language graphs whose layers are
     ONNX functions go layer by layer when asked (layerwise_given True) or, by default, when
     their float32 weights exceed LAYERWISE_BYTES; everything else whole."""
-    if layerwise_given is False or entry["kind"] not in ("prefill", "decode"):
+    if layerwise_given is False or entry["kind"] not in ("vision", "prefill", "decode"):
         return "whole"
     model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
     if not layerwise.has_layers(model):

@@ -1,5 +1,6 @@
 """`verify` layer by layer (`codegen.layerwise`) on the embedded default model, forced on: its
-verdict equals the whole-graph check's, and a graph bound to a wrong weight is named by layer.
+verdict equals the whole-graph check's, and a graph bound to a wrong weight is named by layer
+(vision tower, prefill and decode graphs).
 
 The oracle of both paths is `ref` on the checkpoint's own bytes read by name; the corruption
 tests edit only the exported .onnx (an initializer pointed at another tensor's bytes of the
@@ -16,7 +17,8 @@ from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
 from codegen.verify import verify
 
-LAYERED = ("prefill", "decode")
+LAYERED = ("vision", "prefill", "decode")
+DOWN_PROJ = {"vision": "mlp.down_proj.linear.weight"}  # the tower's clipped linears
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,6 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out):
     for g, _, o, _, _, where, _ in layered:
         if g in LAYERED and o == "layer outputs":
             assert where.startswith("layer "), (g, o, where)
-        if g not in LAYERED:
-            assert where == "whole graph"
     assert {(g, o) for g, _, o, *_ in layered} >= {(g, "layer outputs") for g in LAYERED}
     # the default for a tiny model is the whole graph
     assert {r[5] for r in verify(out, seed=2)} == {"whole graph"}
@@ -95,7 +95,7 @@ def copy(out, tmp_path):
 @pytest.mark.parametrize("graph", LAYERED)
 def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph):
     model = onnx.load(copy / f"{graph}.onnx", load_external_data=False)
-    target, source = _same_shape_pair(model, "mlp.down_proj.weight")
+    target, source = _same_shape_pair(model, DOWN_PROJ.get(graph, "mlp.down_proj.weight"))
     _rebind(copy, graph, target.name, source.name)
     rows = verify(copy, seed=3, check_shards=False, layerwise_given=True)
     bad = _bad(rows)
@@ -122,6 +122,6 @@ def test_a_wrong_glue_weight_is_named_as_glue(copy):
 def test_cli_prints_which_way_and_each_layer(out, capsys):
     assert main(["verify", str(out), "--layerwise"]) == 0
     err = capsys.readouterr().err
-    assert "verify vision: whole graph" in err
+    assert "verify vision: layer by layer" in err
     assert "verify prefill: layer by layer" in err
     assert "prefill: layer 3 (" in err and "decode: layer 0 (" in err
