@@ -305,7 +305,7 @@ def _layer_weights(names, checkpoint, module):
     out = []
     for path, _ in flat:
         name = _checkpoint_name(names, module, [k.key for k in path])
-        out.append(jnp.asarray(checkpoint.read(name), jnp.float32))
+        out.append(jnp.asarray(checkpoint.read(name, mapped=False), jnp.float32))
     return out
 
 
@@ -335,7 +335,9 @@ class _Weights(dict):
         self.deferred = {n for n in spec.weights if LAYER_NAME.search(n)} | set(spec.gathered)
         for n in spec.weights:
             self[n] = (
-                _PLACEHOLDER if n in self.deferred else np.asarray(checkpoint.read(n), np.float32)
+                _PLACEHOLDER
+                if n in self.deferred
+                else np.asarray(checkpoint.read(n, mapped=False), np.float32)
             )
 
 

@@ -124,6 +124,7 @@ def test_checkpoint_round_trip_bit_exact(tensors, shard_bytes):
             info = ckpt.tensors[name]
             assert info.file.parent == folder and info.file in ckpt.shards
             assert_same(ckpt.read(name), a)
+            assert_same(ckpt.read(name, mapped=False), a)
             assert raw_slice(info) == bits(a)
         if len(ckpt.shards) > 1:
             total = sum(a.nbytes for a in tensors.values())
@@ -482,8 +483,9 @@ def test_read_tensor_refuses_a_file_that_shrank(tmp_path):
     info = weights.read_header(path)["t"]
     with open(path, "r+b") as f:
         f.truncate(info.offset + 10)
-    with pytest.raises(CheckpointError, match="'t': file is .* shorter than when its header"):
-        weights.read_tensor(info)
+    for mapped in (True, False):
+        with pytest.raises(CheckpointError, match="'t': file is .* shorter than when its head"):
+            weights.read_tensor(info, mapped=mapped)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")

@@ -320,8 +320,10 @@ def _shrunk(info: TensorInfo, size: int) -> NoReturn:
     _fail(info.file, f"file is {size} bytes, shorter than when its header was read", info.name)
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """One tensor, memory-mapped read-only: pages are read when touched, bit-exact."""
+def read_tensor(info: TensorInfo, *, mapped: bool = True) -> np.ndarray:
+    """One tensor, bit-exact: memory-mapped read-only (pages are read when touched), or with
+    mapped=False read into a private buffer (no page of the file stays mapped: touched pages
+    of a mapping count in the process's resident memory until the mapping goes)."""
     dt = _readable(info)
     if info.nbytes == 0:
         return np.zeros(info.shape, dt)
@@ -330,6 +332,15 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
         if info.offset + info.nbytes > st.st_size:
             # Mapping past the end would fault (SIGBUS) on first touch.
             _shrunk(info, st.st_size)
+        if not mapped:
+            out = np.empty(info.shape, dt)
+            view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+            while done < info.nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], info.offset + done)
+                if n == 0:
+                    _shrunk(info, os.fstat(f.fileno()).st_size)
+                done += n
+            return out
         mapping = _map_file(f, st)
     count = math.prod(info.shape)
     return np.frombuffer(mapping, dt, count, info.offset).reshape(info.shape)
