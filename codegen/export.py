@@ -21,6 +21,7 @@ from codegen import (
     checks,
     external,
     graphs,
+    hashcache,
     model_graphs,
     qaic,
     vision_graph,
@@ -346,10 +347,12 @@ def export(opts, log=None):
         for extra in extras:
             if (checkpoint.dir / extra).is_file():
                 shutil.copyfile(checkpoint.dir / extra, tmp / extra)
-        for s in shards:
+        for s, source in zip(shards, checkpoint.shards, strict=True):
             if s["copied"]:
                 log(f"warning: could not hard-link {s['file']}; copied {s['bytes']} bytes")
-            s["sha256"] = external.sha256(tmp / s["file"]) if opts.hash_shards else None
+            s["sha256"] = (
+                hashcache.sha256(tmp / s["file"], source=source) if opts.hash_shards else None
+            )
         entries = []
         for i, spec in enumerate(specs):
             log(f"[{i + 1}/{len(specs)}] {spec.name}")

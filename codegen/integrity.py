@@ -5,7 +5,8 @@ truncated or replaced after export would make every answer use other weights wit
 `check_folder` refuses such a folder, naming the file: each shard the manifest lists must exist
 with its recorded size and sha256, and every external initializer of every graph must point at
 exactly the bytes the shard's own header gives that tensor (weight specs of `--weights inputs`
-graphs must name tensors the shards hold).
+graphs must name tensors the shards hold). A shard whose size and mtime are those it had when
+last hashed is not read again (`codegen.hashcache`).
 """
 
 import json
@@ -14,7 +15,7 @@ import os
 import onnx
 from google.protobuf.message import DecodeError
 
-from codegen import external
+from codegen import hashcache
 from weights import CheckpointError, read_header
 
 
@@ -29,7 +30,7 @@ def _check_shard(folder, shard, hashes):
     size = os.path.getsize(path)
     if size != shard["bytes"]:
         raise FolderError(f"{path}: {size} bytes, manifest.json records {shard['bytes']}")
-    if hashes and shard.get("sha256") and external.sha256(path) != shard["sha256"]:
+    if hashes and shard.get("sha256") and hashcache.sha256(path) != shard["sha256"]:
         raise FolderError(
             f"{path}: sha256 differs from manifest.json's (the shard changed after export)"
         )
