@@ -368,7 +368,7 @@ def parser():
         const=True,
         help="check the language graphs layer by layer (each layer's weights read when it is "
         "reached; memory set by the largest layer); default: when their float32 weights "
-        "exceed 4 GiB",
+        "exceed 256 MiB",
     )
     how.add_argument(
         "--whole",
