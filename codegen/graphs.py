@@ -87,7 +87,8 @@ class GraphSpec:
     bound at trace time to the first specialization's values (block bounds are compile-time),
     the graph's I/O then labelled with them; the other symbols stay symbolic in the trace.
     gathered: weights the reference reads only by row gathers (`ref.layers.Embedding`), so a
-    layer-by-layer check may read them row by row.
+    layer-by-layer check may read them row by row. head: the weight the logits project onto
+    (`ref.gemma4.step.Logits`), which such a check reads a slice of the vocabulary at a time.
     """
 
     name: str
@@ -103,6 +104,7 @@ class GraphSpec:
     retained: tuple = ()
     static: tuple = ()
     gathered: tuple = ()
+    head: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,10 +31,12 @@ from onnx import helper
 
 from codegen import graphs
 from ref.attention import reference
+from ref.gemma4.step import Logits
 from ref.layers import Embedding
 
 RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
 SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
+VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 8 slices)
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
 
@@ -168,6 +170,49 @@ def rows_before_cast(nodes, weights):
     return [n for n in out if n.output[0] not in cast_of or n.output[0] in kept]
 
 
+# ops through which the output head's rows stay columns of the result, each its own
+_PER_COLUMN = {"Cast", "Identity", "Transpose", "MatMul", "Mul", "Div", "Add", "Sub", "Tanh"}
+
+
+def vocab_slices(seg, head, inits):
+    """How to run glue segment `seg` a slice of `head`'s rows at a time, or None.
+
+    Applies when `head` (a [V, D] initializer of more than VOCAB_ROWS rows) reaches the
+    segment's outputs only through `_PER_COLUMN` ops that keep its rows as the outputs' last
+    axis (Cast, a Transpose moving them last, the right operand of MatMul, elementwise ops):
+    then each slice of rows gives those columns of the outputs. → (nodes with the head's
+    float32 Cast, or the head itself, read as a graph input instead; that input's name; the
+    outputs computed per slice)."""
+    t = inits.get(head)
+    if t is None or head not in seg.weights or len(t.dims) != 2 or t.dims[0] <= VOCAB_ROWS:
+        return None
+    axis = {head: -2}  # where the head's rows are in each value made from it, from the end
+    fed, nodes = head, []
+    for n in seg.nodes:
+        reads = [x for x in n.input if x in axis]
+        if not reads:
+            nodes.append(n)
+            continue
+        if n.op_type not in _PER_COLUMN:
+            return None
+        a = axis[reads[0]]
+        if n.op_type == "Transpose":
+            perm = next(h.ints for h in n.attribute if h.name == "perm")
+            a = list(perm).index(len(perm) + a) - len(perm)
+        elif n.op_type == "MatMul" and (n.input[0] in axis or a != -1):
+            return None
+        if n.op_type == "Cast" and n.input[0] == head and len(n.output) == 1:
+            fed = n.output[0]
+            axis[fed] = a
+            continue
+        axis.update(dict.fromkeys(n.output, a))
+        nodes.append(n)
+    derived = [x for x in seg.makes if x in axis]
+    if any(axis[x] != -1 for x in derived) or any(head in n.input for n in nodes):
+        return None
+    return nodes, fed, set(derived)
+
+
 _ONNX_TYPES = {
     np.dtype(np.float32): onnx.TensorProto.FLOAT,
     np.dtype(np.float64): onnx.TensorProto.DOUBLE,
@@ -180,8 +225,9 @@ _ONNX_TYPES = {
 class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
-    def __init__(self, model, folder, feed):
+    def __init__(self, model, folder, feed, head=None, checkpoint=None):
         self.model, self.folder = model, folder
+        self.head, self.checkpoint = head, checkpoint
         self.segments, self.last_use = segments(model)
         self.inits = {t.name: t for t in model.graph.initializer}
         self.values = dict(feed)
@@ -190,16 +236,16 @@ class Runner:
         self.next = 0
         self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
 
-    def _session(self, seg, feed):
+    def _session(self, nodes, needs, makes, weights, feed):
         graph = helper.make_graph(
-            rows_before_cast(seg.nodes, set(seg.weights)),
+            rows_before_cast(nodes, set(weights)),
             f"segment_{self.next}",
             [
                 helper.make_tensor_value_info(n, _ONNX_TYPES[np.asarray(feed[n]).dtype], None)
-                for n in seg.needs
+                for n in needs
             ],
-            [onnx.ValueInfoProto(name=n) for n in seg.makes],
-            initializer=[self.inits[w] for w in seg.weights],
+            [onnx.ValueInfoProto(name=n) for n in makes],
+            initializer=[self.inits[w] for w in weights],
         )
         m = helper.make_model(
             graph,
@@ -217,9 +263,28 @@ class Runner:
         finally:
             os.remove(path)
 
+    def _outputs(self, seg, feed):
+        """The segment's `makes` as onnxruntime computes them; a glue segment that projects
+        onto the output head runs once per VOCAB_ROWS rows of it (`vocab_slices`)."""
+        sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
+        if sliced is None or self.checkpoint is None:
+            session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed)
+            return session.run(seg.makes, {n: feed[n] for n in seg.needs})
+        nodes, fed, derived = sliced
+        weights = [w for w in seg.weights if w != self.head]
+        session = self._session(nodes, [*seg.needs, fed], seg.makes, weights,
+                                {**feed, fed: np.zeros(1, np.float32)})  # fmt: skip
+        table, parts = self.checkpoint.read(self.head), []
+        for a in range(0, table.shape[0], VOCAB_ROWS):
+            rows = np.asarray(table[a : a + VOCAB_ROWS], np.float32)
+            parts.append(session.run(seg.makes, {**{n: feed[n] for n in seg.needs}, fed: rows}))
+        return [
+            np.concatenate([p[k] for p in parts], axis=-1) if n in derived else parts[0][k]
+            for k, n in enumerate(seg.makes)
+        ]
+
     def _run(self, seg, feed):
-        session = self._session(seg, feed)
-        out = session.run(seg.makes, {n: feed[n] for n in seg.needs})
+        out = self._outputs(seg, feed)
         index = self.next
         self.next += 1
         for n, v in zip(seg.makes, out, strict=True):
@@ -326,6 +391,24 @@ def _gather_rows(names, checkpoint):
     return interceptor
 
 
+def _head_slices(name, checkpoint):
+    """An interceptor computing `ref.gemma4.step.Logits` with its weight left out: the module
+    itself on VOCAB_ROWS rows of the checkpoint's `name` at a time, joined along the vocab."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        mine = isinstance(context.module, Logits) and context.method_name == "__call__"
+        if not mine or args[1].size:
+            return next_fun(*args, **kwargs)
+        table = checkpoint.read(name)
+        parts = [
+            next_fun(args[0], jnp.asarray(table[a : a + VOCAB_ROWS], jnp.float32))
+            for a in range(0, table.shape[0], VOCAB_ROWS)
+        ]
+        return jnp.concatenate(parts, axis=-1)
+
+    return interceptor
+
+
 class _Weights(dict):
     """verify's {name: float32 weight}, with every layer's and every row-gathered table's
     weights left out (an empty placeholder): they are read when `ref` reaches them."""
@@ -333,6 +416,7 @@ class _Weights(dict):
     def __init__(self, spec, checkpoint):
         super().__init__()
         self.deferred = {n for n in spec.weights if LAYER_NAME.search(n)} | set(spec.gathered)
+        self.deferred |= {spec.head} - {None}
         for n in spec.weights:
             self[n] = (
                 _PLACEHOLDER
@@ -350,7 +434,7 @@ def _kernel(spec):
 def verify_specialization(spec, model, folder, checkpoint, feed, log):
     """Rows (output, max abs err, rel err, where, ok) of the graph `model` (`spec`'s export)
     on the inputs `feed`, checked layer by layer; log(line) reports each layer."""
-    runner = Runner(model, folder, feed)
+    runner = Runner(model, folder, feed, spec.head, checkpoint)
     worst = Worst()
     weights = _Weights(spec, checkpoint)
     names = spec.weights
@@ -380,6 +464,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         graphs.layer_scope(),
         graphs.layer_check(check),
         nn.intercept_methods(_gather_rows(names, checkpoint)),
+        nn.intercept_methods(_head_slices(spec.head, checkpoint)),
     ):
         want = spec.reference(feed, weights, **_kernel(spec))
     runner.glue_until(None)

@@ -305,6 +305,7 @@ def model_graph(
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
         static=tuple(base),
         gathered=_gathered(prefix, names),
+        head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
     )
 
 

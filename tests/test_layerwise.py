@@ -125,3 +125,21 @@ def test_cli_prints_which_way_and_each_layer(out, capsys):
     assert "verify vision: layer by layer" in err
     assert "verify prefill: layer by layer" in err
     assert "prefill: layer 3 (" in err and "decode: layer 0 (" in err
+
+
+def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeypatch):
+    from codegen import layerwise
+
+    monkeypatch.setattr(layerwise, "VOCAB_ROWS", 50)  # the default model's 256 rows: 6 slices
+    sliced = []
+    plan = layerwise.vocab_slices
+
+    def spy(*args):
+        found = plan(*args)
+        sliced.append(found is not None)
+        return found
+
+    monkeypatch.setattr(layerwise, "vocab_slices", spy)
+    rows = verify(out, seed=5, layerwise_given=True)
+    assert not _bad(rows), _bad(rows)
+    assert sum(sliced) == 2  # the logits of prefill (one budget) and decode

@@ -6,6 +6,7 @@ A step is a prefill chunk or a decode token over a position-indexed KV cache (`i
 with `batch_index` (continuous batching) each row reads and writes its own cache slot.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,24 @@ from ref.cache import put_rows, take_rows
 from ref.gemma4.kv_cache import cache_len
 from ref.gemma4.text import TextModel
 from ref.layers import linear
+
+
+class Logits(nn.Module):
+    """The output head: `linear(hidden, weight)` in float32, soft-capped by `cap` (None: not).
+
+    hidden: [..., D]; weight: [V, D] (lm_head, or embed_tokens when tied) → [..., V]. A module
+    so that a caller may compute it its own way through `nn.intercept_methods` (verify's
+    layer-by-layer check reads the weight a slice of the vocabulary at a time).
+    """
+
+    cap: float | None
+
+    @nn.compact
+    def __call__(self, hidden, weight):
+        logits = linear(hidden, weight).astype(jnp.float32)
+        if self.cap is not None:
+            logits = jnp.tanh(logits / self.cap) * self.cap
+        return logits
 
 
 def check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx):
@@ -95,10 +114,7 @@ def apply_step(
         last = jnp.argmax(position_ids, axis=1)[:, None, None]
         hidden = jnp.take_along_axis(hidden, last, axis=1)
     weight = params["embed_tokens"]["weight"] if lm_head is None else lm_head
-    logits = linear(hidden, weight).astype(jnp.float32)
-    cap = config.final_logit_softcapping
-    if cap is not None:
-        logits = jnp.tanh(logits / cap) * cap
+    logits = Logits(config.final_logit_softcapping).apply({}, hidden, weight)
     out = {"logits": logits, "cache": model["cache"]}
     if "image_idx" in model:
         out["image_idx"] = model["image_idx"]
