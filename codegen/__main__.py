@@ -31,7 +31,7 @@ def _run_kit(args):
     return 0
 
 
-def _run_verify(folder, seed, check_shards=True, layerwise=None):
+def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None):
     from codegen.verify import table, verify
 
     if not check_shards:
@@ -39,7 +39,10 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None):
             "verify: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr
         )
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    rows = verify(folder, seed=seed, check_shards=check_shards, layerwise_given=layerwise, log=log)
+    rows = verify(
+        folder, seed=seed, check_shards=check_shards, layerwise_given=layerwise, log=log,
+        graphs=graphs,
+    )  # fmt: skip
     print(table(rows))
     bad = [r for r in rows if not r[-1]]
     if bad:
@@ -90,7 +93,9 @@ def main(argv=None):
         if args.command == "verify" and args.precision is not None:
             return _run_precision(args)
         if args.command == "verify":
-            return _run_verify(args.out, args.seed, not args.skip_shard_check, args.layerwise)
+            return _run_verify(
+                args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs
+            )
         if args.command == "drift":
             return _run_drift(args)
         if args.command == "run":

@@ -360,6 +360,13 @@ def parser():
         action="store_true",
         help="do not check the shards' sizes, sha256 and byte ranges against manifest.json",
     )
+    v.add_argument(
+        "--graph",
+        action="append",
+        dest="graphs",
+        metavar="NAME",
+        help="check only this graph (repeatable; default every graph in manifest.json)",
+    )
     how = v.add_mutually_exclusive_group()
     how.add_argument(
         "--layerwise",

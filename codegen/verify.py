@@ -166,18 +166,24 @@ def way(spec, entry, folder, checkpoint, layerwise_given=None):
     return "whole"
 
 
-def verify(folder, *, seed=0, check_shards=True, layerwise_given=None, log=None):
+def verify(folder, *, seed=0, check_shards=True, layerwise_given=None, log=None, graphs=None):
     """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
     graph, specialization and output of the export in `folder` (checked first:
     `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
     layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
-    by layer, per layer."""
+    by layer, per layer. graphs: the names of the graphs to check (default all)."""
     log = log or (lambda line: None)
     folder = os.path.abspath(folder)
     manifest = read_manifest(folder, check_shards=check_shards)
     checkpoint = open_checkpoint(folder)
+    names = [e["name"] for e in manifest["graphs"]]
+    unknown = sorted(set(graphs or ()) - set(names))
+    if unknown:
+        raise VerifyError(f"{folder}: no graph {unknown[0]!r}; the export has {names}")
     rows = []
     for entry in manifest["graphs"]:
+        if graphs and entry["name"] not in graphs:
+            continue
         spec = rebuild(entry, checkpoint)
         how = way(spec, entry, folder, checkpoint, layerwise_given)
         gib = float32_bytes(spec, checkpoint) / 2**30

@@ -16,6 +16,7 @@ import pytest
 from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
 from codegen.verify import verify
+from weights import open_checkpoint
 
 LAYERED = ("vision", "prefill", "decode")
 DOWN_PROJ = {"vision": "mlp.down_proj.linear.weight"}  # the tower's clipped linears
@@ -41,7 +42,7 @@ def _bad(rows):
     return [r for r in rows if not r[-1]]
 
 
-def test_layer_by_layer_gives_the_whole_graph_verdict(out):
+def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     whole = verify(out, seed=2, layerwise_given=False)
     layered = verify(out, seed=2, layerwise_given=True)
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
@@ -50,8 +51,19 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out):
         if g in LAYERED and o == "layer outputs":
             assert where.startswith("layer "), (g, o, where)
     assert {(g, o) for g, _, o, *_ in layered} >= {(g, "layer outputs") for g in LAYERED}
-    # the default for a tiny model is the whole graph
-    assert {r[5] for r in verify(out, seed=2)} == {"whole graph"}
+    # the default for a tiny model is the whole graph; over the threshold, layer by layer
+    from codegen import verify as v
+
+    checkpoint = open_checkpoint(out)
+    manifest = v.read_manifest(out, check_shards=False)
+    for entry in manifest["graphs"]:
+        spec = v.rebuild(entry, checkpoint)
+        assert v.way(spec, entry, str(out), checkpoint) == "whole"
+        assert v.way(spec, entry, str(out), checkpoint, False) == "whole"
+        small = v.float32_bytes(spec, checkpoint) - 1
+        monkeypatch.setattr(v, "LAYERWISE_BYTES", small)
+        assert v.way(spec, entry, str(out), checkpoint) == "layers"
+        monkeypatch.undo()
 
 
 def _same_shape_pair(model, needle):
@@ -97,14 +109,14 @@ def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph):
     model = onnx.load(copy / f"{graph}.onnx", load_external_data=False)
     target, source = _same_shape_pair(model, DOWN_PROJ.get(graph, "mlp.down_proj.weight"))
     _rebind(copy, graph, target.name, source.name)
-    rows = verify(copy, seed=3, check_shards=False, layerwise_given=True)
+    rows = verify(copy, seed=3, check_shards=False, layerwise_given=True, graphs=[graph])
     bad = _bad(rows)
-    assert bad and {r[0] for r in bad} == {graph}, rows
+    assert bad and {r[0] for r in rows} == {graph}, rows
     layer = f"layer {_layer_of(target.name)} "
     wrong = [r for r in bad if r[2] == "layer outputs"]
     assert wrong and all(r[5].startswith(layer) for r in wrong), bad
     # the whole-graph check fails on the same graph
-    assert {r[0] for r in _bad(verify(copy, seed=3, check_shards=False))} == {graph}
+    assert _bad(verify(copy, seed=3, check_shards=False, graphs=[graph]))
 
 
 def test_a_wrong_glue_weight_is_named_as_glue(copy):
@@ -114,17 +126,20 @@ def test_a_wrong_glue_weight_is_named_as_glue(copy):
         t.name for t in model.graph.initializer if t.name.endswith("language_model.norm.weight")
     )
     _rebind(copy, "prefill", final, norms[0])
-    rows = verify(copy, seed=4, check_shards=False, layerwise_given=True)
+    rows = verify(copy, seed=4, check_shards=False, layerwise_given=True, graphs=["prefill"])
     bad = _bad(rows)
     assert [(r[0], r[2], r[5]) for r in bad] == [("prefill", "logits", "glue")], rows
 
 
 def test_cli_prints_which_way_and_each_layer(out, capsys):
-    assert main(["verify", str(out), "--layerwise"]) == 0
-    err = capsys.readouterr().err
-    assert "verify vision: layer by layer" in err
-    assert "verify prefill: layer by layer" in err
-    assert "prefill: layer 3 (" in err and "decode: layer 0 (" in err
+    assert main(["verify", str(out), "--layerwise", "--graph", "decode"]) == 0
+    captured = capsys.readouterr()
+    assert "verify decode: layer by layer" in captured.err
+    assert "decode: layer 0 (" in captured.err and "decode: layer 3 (" in captured.err
+    assert "vision" not in captured.err + captured.out
+    assert "worst at" in captured.out and "layer outputs" in captured.out
+    assert main(["verify", str(out), "--graph", "nope"]) == 2
+    assert "no graph 'nope'" in capsys.readouterr().err
 
 
 def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeypatch):
@@ -140,6 +155,6 @@ def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeyp
         return found
 
     monkeypatch.setattr(layerwise, "vocab_slices", spy)
-    rows = verify(out, seed=5, layerwise_given=True)
+    rows = verify(out, seed=5, layerwise_given=True, graphs=["prefill", "decode"])
     assert not _bad(rows), _bad(rows)
     assert sum(sliced) == 2  # the logits of prefill (one budget) and decode
