@@ -222,6 +222,19 @@ _ONNX_TYPES = {
 }
 
 
+def session_at(model, path):
+    """An onnxruntime CPU session on the in-memory `model`, written at `path` for as long as
+    loading takes (its external data resolves beside it) and removed after."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    finally:
+        os.remove(path)
+
+
 class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
@@ -253,15 +266,7 @@ class Runner:
             ir_version=self.model.ir_version,
             functions=list(self.model.functions),
         )
-        path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        try:
-            with open(path, "wb") as f:
-                f.write(m.SerializeToString())
-            return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-        finally:
-            os.remove(path)
+        return session_at(m, os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx"))
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them; a glue segment that projects

@@ -86,18 +86,12 @@ def open_session(entry, folder, checkpoint):
     """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
     from the weight spec (written beside the folder's other files, removed after loading)."""
     path = os.path.join(folder, entry["file"])
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     if entry.get("weight_spec") is None:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     model = load_graph(entry, folder, checkpoint)
-    bound = os.path.join(folder, f".verify.{entry['name']}.onnx")
-    try:
-        with open(bound, "wb") as f:
-            f.write(model.SerializeToString())
-        return ort.InferenceSession(bound, opts, providers=["CPUExecutionProvider"])
-    finally:
-        os.remove(bound)
+    return layerwise.session_at(model, os.path.join(folder, f".verify.{entry['name']}.onnx"))
 
 
 def read_manifest(folder, *, check_shards=True):
