@@ -52,6 +52,7 @@ SLOWEST_FIRST = [
     "test_model_export.py",
     "test_codegen_checks.py",
     "test_vision.py",
+    "test_layerwise.py",
     "test_cache.py",
     "test_text.py",
     "test_generate.py",
