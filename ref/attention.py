@@ -11,6 +11,7 @@ Inside, queries are grouped by kv head: `q [B, H, S, D]` is viewed as `[B, Hkv, 
 """
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +55,16 @@ def _step(state, q, k, v, mask, *, scale, softcap):
     m_new = jax.lax.reduce_max(scores, (scores.ndim - 1,))[..., None]
     if state is not None:
         m_new = jnp.maximum(state[0], m_new)
-    # A row with no visible key yet has m' = −inf; shifting by 0 keeps exp() finite there.
-    shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    shift = _shift(m_new)
     p = jnp.where(mask, jnp.exp(scores - shift), 0.0)
     pv = jnp.matmul(p.astype(q.dtype), v.astype(q.dtype)[:, :, None]).astype(acc)
-    l_new = jnp.sum(p, axis=-1, keepdims=True)
+    return _carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
+
+
+def _carry(state, m_new, shift, l_new, pv):
+    """(m, l, O) after one block with row max m_new (the running max), shift `_shift(m_new)`,
+    its exp-sums l_new and its p·V: those alone for a fresh state, else the old state rescaled by
+    e^(m − shift) plus them."""
     if state is None:
         return m_new, l_new, pv
     m, denom, o = state
@@ -66,13 +72,24 @@ def _step(state, q, k, v, mask, *, scale, softcap):
     return m_new, denom * alpha + l_new, o * alpha + pv
 
 
+def _shift(m):
+    """What exp() subtracts for row maxima m: m, or a finite stand-in (the dtype's lowest value)
+    where a row has seen no key (m = −inf), so that exp(−inf − shift) = 0. Exact: a finite m is
+    at least that value. One Max in an export, where a comparison and a select are two."""
+    return jnp.maximum(m, jnp.finfo(m.dtype).min)
+
+
 def _merge(states):
     """Combine (m, l, O) states of disjoint KV pieces computed independently (head-parallel)."""
     m_all = functools.reduce(jnp.maximum, [m for m, _, _ in states])
-    shift = jnp.where(m_all > -jnp.inf, m_all, 0.0)
+    shift = _shift(m_all)
     weights = [jnp.exp(m - shift) for m, _, _ in states]
-    l_all = sum(w * denom for w, (_, denom, _) in zip(weights, states, strict=True))
-    o_all = sum(w * o for w, (_, _, o) in zip(weights, states, strict=True))
+    l_all = functools.reduce(
+        operator.add, [w * denom for w, (_, denom, _) in zip(weights, states, strict=True)]
+    )
+    o_all = functools.reduce(
+        operator.add, [w * o for w, (_, _, o) in zip(weights, states, strict=True)]
+    )
     return m_all, l_all, o_all
 
 
@@ -123,22 +140,34 @@ def mask(q_pos, kv_pos, *, sliding_window=None, q_group=None, kv_group=None):
     `sliding_window_overlay`, the window bounds only the past (`kv > q − W`), so a later key
     of the same vision run stays visible: sliding = AND(window, OR(causal, same run)).
     """
-    q_pos = jnp.asarray(q_pos)
-    kv_pos = jnp.asarray(kv_pos)
-    qp = q_pos[:, None, :, None]
-    kp = kv_pos[:, None, None, :]
-    visible = kp <= qp
     if (q_group is None) != (kv_group is None):
         raise ValueError("q_group and kv_group must be given together (vision run ids, -1 = text)")
-    if q_group is not None:
-        qg = jnp.asarray(q_group)[:, None, :, None]
-        kg = jnp.asarray(kv_group)[:, None, None, :]
-        visible = visible | ((qg == kg) & (qg >= 0))
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return _visible(_side(q_pos, q_group, 2), _side(kv_pos, kv_group, 3), sliding_window)
+
+
+def _side(pos, group, axis):
+    """One side of `mask`: positions [B, L] (and vision runs) placed on `axis` of [B, 1, ·, ·]
+    (2 for queries, 3 for keys) with their validity, so the blocked path can cut them once per
+    block and combine any two."""
+    pos = jnp.asarray(pos)
+    shape = (pos.shape[0], 1, *((pos.shape[1], 1) if axis == 2 else (1, pos.shape[1])))
+    p = jnp.reshape(pos, shape)
+    g = None if group is None else jnp.reshape(jnp.asarray(group), shape)
+    return p, g, p >= 0, None if g is None else g >= 0
+
+
+def _visible(q_side, kv_side, sliding_window):
+    """`mask` from a query side [B, 1, S, 1] and a key side [B, 1, 1, T] (`_side`)."""
+    qp, qg, q_valid, q_run = q_side
+    kp, kg, kv_valid, _ = kv_side
+    visible = kp <= qp
+    if qg is not None:
+        visible = visible | ((qg == kg) & q_run)
     if sliding_window is not None:
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         visible = visible & (qp - kp < sliding_window)
-    return visible & (qp >= 0) & (kp >= 0)
+    return visible & q_valid & kv_valid
 
 
 def reference(
@@ -196,45 +225,87 @@ def _cat(parts, axis):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
-def _kv_loop(q, k, v, block_mask, plan, prev, *, scale, softcap):
+def _tile(state, q, kt, v, bias, *, scale, softcap):
+    """One online-softmax update of (m, l, O) with one KV tile, the queries as matrix rows.
+
+    q: [B, Hb, R·S, D] (R query heads of each of Hb kv heads × S queries, head-major); kt: the
+    tile's keys transposed [B, Hb, D, T]; v: [B, Hb, T, D]; bias: [B, 1 | Hb, 1, S, T] (`_bias`),
+    0 where a key is visible and −inf where not; state: (m, l [B, Hb, R·S, 1], O [B, Hb, R·S, D])
+    in the accumulation dtype, or None. The recurrence of `_step` in the shapes an export wants:
+    plain matmuls with nothing broadcast (GQA rows share their kv head's K, never a copy of it),
+    the mask as one add (x + 0 = x, and exp(−inf − shift) = 0 drops a masked key from max and sum
+    exactly as a select does), no multiply for scale 1.
+    """
+    acc = _acc_dtype(q.dtype)
+    scores = jnp.matmul(q, kt)
+    if scale != 1.0:
+        scores = scores * jnp.asarray(scale, q.dtype)
+    scores = scores.astype(acc)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    b, hb, rows, t = scores.shape
+    scores = (scores.reshape(b, hb, -1, bias.shape[3], t) + bias).reshape(b, hb, rows, t)
+    m_new = jnp.max(scores, axis=-1, keepdims=True)
+    if state is not None:
+        m_new = jnp.maximum(state[0], m_new)
+    shift = _shift(m_new)
+    p = jnp.exp(scores - shift)
+    pv = jnp.matmul(p.astype(q.dtype), v).astype(acc)
+    return _carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
+
+
+def _kv_loop(q, tile, plan, prev, ops):
     """Attention of one query block over the plan's KV blocks.
 
-    q: [B, Hkv, g, S, D]; k, v: [B, Hkv, T, D]; block_mask(t0, t1): bool broadcastable to
-    [B, Hkv, g, S, t1 − t0]; prev: the state of the block computed before (None for the first).
-    Sequential plans carry (m, l, O) from block to block; parallel (head-parallel) plans compute
-    every block and piece from scratch and merge once. Returns (normalized [B, Hkv, g, S, D],
-    the last block's state).
+    q: [B, Hb, R·S, D]; tile(t0, t1): the block's (keys transposed, values, mask, bias) as
+    `_tile` takes them, the mask bool [B, 1 | Hb, S, t1 − t0]; prev: the state of the block
+    computed before (None for the first); ops: (`_tile`, `_merge`, `_skipped`) as `_blocked`
+    jits them. Sequential plans carry (m, l, O) from block to block; parallel (head-parallel)
+    plans compute every block and piece from scratch and merge once. Returns (normalized
+    [B, Hb, R·S, D], the last block's state).
     """
-    step = functools.partial(_step, scale=scale, softcap=softcap)
+    step, merge, skipped = ops
     state, finished = None, []
     for t0, t1 in plan.kv:
-        m = block_mask(t0, t1)
+        kt, vb, m, bias = tile(t0, t1)
         if plan.ordered and prev is not None:
             (q,) = after(prev, q)
         if plan.parallel:
             pieces = [
-                step(None, q, k[:, :, t0 + a : t0 + c], v[:, :, t0 + a : t0 + c], m[..., a:c])
+                step(None, q, kt[..., a:c], vb[:, :, a:c], bias[..., a:c])
                 for a, c in _pieces(t1 - t0, plan.split)
             ]
-            new = _merge(pieces) if len(pieces) > 1 else pieces[0]
+            new = merge(pieces) if len(pieces) > 1 else pieces[0]
             old = None
         else:
-            new = step(state, q, k[:, :, t0:t1], v[:, :, t0:t1], m)
+            new = step(state, q, kt, vb, bias)
             old = state
         if plan.skip_kv:
-            # One flag per block (as QEfficient's skip_kv) so a compiler can branch on it; a
-            # block no query sees contributes nothing, so keeping the old state is exact.
-            skip = ~jnp.any(m)
-            old = old if old is not None else _empty(new)
-            new = tuple(jnp.where(skip, a, b) for a, b in zip(old, new, strict=True))
+            new = skipped(m, old if old is not None else _empty(new), new)
         if plan.parallel:
             finished.append(new)
         else:
             state = new
         prev = new
     if plan.parallel:
-        state = _merge(finished) if len(finished) > 1 else finished[0]
+        state = merge(finished) if len(finished) > 1 else finished[0]
     return _finish(state, q.dtype), prev
+
+
+def _skipped(m, old, new):
+    """`new`, or `old` where no query of the block sees any of its keys (mask m): one flag per
+    block, as QEfficient's skip_kv, so a compiler can branch on it. Exact: such a block
+    contributes nothing."""
+    skip = ~jnp.any(m)
+    return tuple(jnp.where(skip, a, b) for a, b in zip(old, new, strict=True))
+
+
+def _bias(m):
+    """The additive mask `_tile` takes: bool [B, H, S, T] → [B, H, 1, S, T], 0 where visible and
+    −inf where not, in float32 (`_tile` adds it in the accumulation dtype: float32 or float64,
+    both hold 0 and −inf exactly)."""
+    bias = jnp.where(m, jnp.float32(0), jnp.float32(-jnp.inf))
+    return bias.reshape(m.shape[0], m.shape[1], 1, *m.shape[2:])
 
 
 def _pieces(n, split):
@@ -249,49 +320,105 @@ def _empty(state):
     return jnp.full_like(m, -jnp.inf), jnp.zeros_like(denom), jnp.zeros_like(o)
 
 
-def _blocked(q, k, v, q_pos, kv_pos, q_group, kv_group, plan, *, sliding_window, scale, softcap):
-    """`blocked` for one resolved plan on local arrays (see `blocked` for shapes)."""
+def _jit(fn, **static):
+    """`fn` with `static` bound, jitted for one `blocked` call: a new function object, since JAX
+    caches traces per function object, and a trace must not outlive its context (x64, jax2onnx's
+    patched jnp functions: a trace of `_bias` made before an export and reused inside it put
+    2 MB constants in every tile of an ONNX function)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
+def _executed_heads(plan, together):
+    """The head blocks `_blocked` runs: the plan's, or with `together` (prefill modes) its blocks
+    as one over all their kv heads, n_rep chunk by n_rep chunk.
+
+    `Plan.heads` of a prefill mode lists one kv head per block, and the kernel kit
+    (`codegen.plan`, `codegen.vectors`) publishes that schedule; run that way an export repeats
+    every tile once per kv head (a 31B sliding layer at 8 query × 16 KV blocks: 2,048 tiles).
+    QEfficient's prefill kernels compute every kv head of a tile in one matmul (`[B, Hkv·split,
+    rc·tc, D]` in `blocked_qkv_attention_forward_prefill_headpar_offline`), and so does this:
+    exact, since heads never mix — a batched matmul gives each head the numbers it gives alone.
+    """
+    if not together or len(plan.heads) == 1:
+        return plan.heads
+    if len({r for _, _, r in plan.heads}) != 1:
+        raise ValueError(f"head blocks {plan.heads} differ in their n_rep chunks")
+    return ((plan.heads[0][0], plan.heads[-1][1], plan.heads[0][2]),)
+
+
+def _blocked(
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_group,
+    kv_group,
+    plan,
+    *,
+    heads_together,
+    sliding_window,
+    scale,
+    softcap,
+):
+    """`blocked` for one resolved plan on local arrays (see `blocked` for shapes); with
+    `heads_together` the plan's head blocks run as one (`_executed_heads`).
+
+    Each query-side and key-side cut of the positions, each tile's mask and each block's keys
+    are made once and reused by every block that needs them (cached on their bounds), so an
+    export has one of each, not one per head block or query block. The per-tile functions are
+    jitted for this call only (`_jit`): the first tile of a shape is traced and every later one
+    reuses that trace as one call (tracing each tile's ~30 ops anew made every trace of a 31B
+    prefill graph ~30 s).
+    """
     b, h, s, d = q.shape
     hkv = k.shape[1] // b if plan.batch_fold else k.shape[1]
     g = h // hkv
     q5 = q.reshape(b, hkv, g, s, d)
     if plan.batch_fold:
         q5 = q5.reshape(1, b * hkv, g, s, d)
+    rows_of = (lambda b0, b1: slice(None)) if plan.batch_fold else slice
+    visible, bias_of = _jit(_visible, sliding_window=sliding_window), _jit(_bias)
+    ops = (_jit(_tile, scale=scale, softcap=softcap), _jit(_merge), _jit(_skipped))
 
     @functools.cache
-    def rows_mask(b0, b1, q0, q1, t0, t1):
-        rows = slice(None) if plan.batch_fold else slice(b0, b1)
-        return mask(
-            q_pos[rows, q0:q1],
-            kv_pos[rows, t0:t1],
-            sliding_window=sliding_window,
-            q_group=None if q_group is None else q_group[rows, q0:q1],
-            kv_group=None if kv_group is None else kv_group[rows, t0:t1],
-        )
+    def q_side(b0, b1, q0, q1):
+        rows = rows_of(b0, b1)
+        return _side(q_pos[rows, q0:q1], None if q_group is None else q_group[rows, q0:q1], 2)
 
-    def block_mask(b0, b1, kv0, kv1, q0, q1, t0, t1):
-        m = rows_mask(b0, b1, q0, q1, t0, t1)
+    @functools.cache
+    def kv_side(b0, b1, t0, t1):
+        rows = rows_of(b0, b1)
+        return _side(kv_pos[rows, t0:t1], None if kv_group is None else kv_group[rows, t0:t1], 3)
+
+    @functools.cache
+    def keys(b0, b1, kv0, kv1, t0, t1):
+        kt = jnp.swapaxes(k[b0:b1, kv0:kv1, t0:t1].astype(q.dtype), -1, -2)
+        return kt, v[b0:b1, kv0:kv1, t0:t1].astype(q.dtype)
+
+    @functools.cache
+    def tile(b0, b1, kv0, kv1, q0, q1, t0, t1):
+        m = visible(q_side(b0, b1, q0, q1), kv_side(b0, b1, t0, t1))
         if plan.batch_fold:
             # Folded row b·Hkv + j carries batch row b's positions.
             m = jnp.broadcast_to(m, (b, hkv, *m.shape[2:])).reshape(1, b * hkv, *m.shape[2:])
             m = m[:, kv0:kv1]
-        return m[:, :, None]
+        return (*keys(b0, b1, kv0, kv1, t0, t1), m, bias_of(m))
 
     out_b, prev = [], None
     for b0, b1 in plan.batch:
         out_h = []
-        for kv0, kv1, reps in plan.heads:
-            kb, vb = k[b0:b1, kv0:kv1], v[b0:b1, kv0:kv1]
+        for kv0, kv1, reps in _executed_heads(plan, heads_together):
             out_r = []
             for r0, r1 in reps:
                 out_q = []
                 for q0, q1 in plan.q:
-                    block_fn = functools.partial(block_mask, b0, b1, kv0, kv1, q0, q1)
                     qb = q5[b0:b1, kv0:kv1, r0:r1, q0:q1]
-                    out, prev = _kv_loop(
-                        qb, kb, vb, block_fn, plan, prev, scale=scale, softcap=softcap
-                    )
-                    out_q.append(out)
+                    shape = qb.shape
+                    qb = qb.reshape(shape[0], shape[1], (r1 - r0) * (q1 - q0), d)
+                    block = functools.partial(tile, b0, b1, kv0, kv1, q0, q1)
+                    out, prev = _kv_loop(qb, block, plan, prev, ops)
+                    out_q.append(out.reshape(shape))
                 out_r.append(_cat(out_q, 3))
             out_h.append(_cat(out_r, 2))
         out_b.append(_cat(out_h, 1))
@@ -348,6 +475,7 @@ def blocked(
     if hkv == 0 or h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
     kwargs = dict(sliding_window=sliding_window, scale=scale, softcap=softcap)
+    kwargs["heads_together"] = "r" in config.axes
     if mesh is None:
         plan = config.plan(b, h, hkv, s, k.shape[2], num_devices=jax.local_device_count())
         return _blocked(q, k, v, q_pos, kv_pos, *groups, plan, **kwargs)

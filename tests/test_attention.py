@@ -718,3 +718,55 @@ def test_mask_refuses_one_group_alone():
         assert str(err.value) == (
             "q_group and kv_group must be given together (vision run ids, -1 = text)"
         )
+
+
+@st.composite
+def prefill_cases(draw):
+    """A prefill mode on shapes where a tile spans several kv heads (Hkv 2–4) and, with a GQA
+    group of 2 or 4, maybe several n_rep chunks; batch fold, ordered, skip_kv, headpar pieces."""
+    hkv, g = draw(st.integers(2, 4)), draw(st.sampled_from([1, 2, 4]))
+    b, s, t = draw(st.integers(1, 2)), draw(st.sampled_from([1, 5])), draw(st.sampled_from([6, 9]))
+    mode = draw(st.sampled_from(["prefill_q", "prefill_kv", "prefill_qkv", "prefill_online"]))
+    opts = dict(mode=mode, prefill_n_rep_chunk=draw(st.sampled_from([1, g])))
+    if mode != "prefill_kv":
+        opts["prefill_block_chunks"] = draw(st.integers(1, s))
+    if mode != "prefill_q":
+        opts["num_kv_blocks"] = draw(st.integers(1, 4))
+        opts["skip_kv"] = draw(st.booleans())
+        if draw(st.booleans()):
+            opts["headpar_split"] = draw(st.integers(1, 3))
+    opts["batch_fold"] = draw(st.booleans())
+    opts["ordered"] = draw(st.booleans())
+    return dict(b=b, h=hkv * g, hkv=hkv, s=s, t=t, d=4), opts
+
+
+@settings(max_examples=examples(20))
+@given(prefill_cases(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_prefill_heads_together_equal_the_plans_head_by_head_schedule(case, vision, seed):
+    """Prefill modes run every kv head of a tile in one matmul (`_executed_heads`, as
+    QEfficient's prefill kernels do) where `Plan.heads` — the schedule the kernel kit
+    publishes — lists one kv head per block: the batched path equals that plan run head by head
+    and the dense reference (float64, 1e-12)."""
+    from ref.attention import _blocked, _executed_heads
+    from ref.blocking import BlockingConfig
+
+    shapes, opts = case
+    rng = np.random.default_rng(seed)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, **shapes, dtype=np.float64, scenario="ring", vision=vision
+    )
+    extra = dict(sliding_window=4, softcap=3.0, scale=0.8)
+    want = np.asarray(reference(q, k, v, q_pos, kv_pos, **groups, **extra))
+    config = BlockingConfig(**opts)
+    b, h, hkv, s, t = (shapes[n] for n in ("b", "h", "hkv", "s", "t"))
+    plan = config.plan(b, h, hkv, s, t)
+    rows = b * hkv if config.batch_fold else hkv
+    assert [(k0, k1) for k0, k1, _ in plan.heads] == [(j, j + 1) for j in range(rows)]
+    assert [(k0, k1) for k0, k1, _ in _executed_heads(plan, True)] == [(0, rows)]
+    if config.batch_fold:
+        k, v = fold(k), fold(v)
+    args = (q, k, v, q_pos, kv_pos, groups.get("q_group"), groups.get("kv_group"), plan)
+    together = np.asarray(_blocked(*args, heads_together=True, **extra))
+    apart = np.asarray(_blocked(*args, heads_together=False, **extra))
+    assert rel_err(together, apart) <= 1e-12, opts
+    assert rel_err(together, want) <= 1e-12, opts
