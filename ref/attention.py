@@ -12,6 +12,7 @@ Inside, queries are grouped by kv head: `q [B, H, S, D]` is viewed as `[B, Hkv, 
 
 import functools
 import operator
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -254,50 +255,86 @@ def _tile(state, q, kt, v, bias, *, scale, softcap):
     return _carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
 
 
-def _kv_loop(q, tile, plan, prev, ops):
-    """Attention of one query block over the plan's KV blocks.
+def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
+    """One query block against every KV block of the plan.
 
-    q: [B, Hb, R·S, D]; tile(t0, t1): the block's (keys transposed, values, mask, bias) as
-    `_tile` takes them, the mask bool [B, 1 | Hb, S, t1 − t0]; prev: the state of the block
-    computed before (None for the first); ops: (`_tile`, `_merge`, `_skipped`) as `_blocked`
-    jits them. Sequential plans carry (m, l, O) from block to block; parallel (head-parallel)
-    plans compute every block and piece from scratch and merge once. Returns (normalized
-    [B, Hb, R·S, D], the last block's state).
+    q: [B', Hb, R, S', D] (batch rows × kv heads × n_rep chunk × queries of the block); tiles:
+    per KV block (K transposed [B', Hb, D, Tb], V [B', Hb, Tb, D]) (`_keys`); masks: per KV
+    block (mask bool [B', 1 | Hb, S', Tb], bias) (`_tile_masks`); prev: the state of the block
+    computed before (None for the first; only `ordered` plans pass one). Sequential plans carry
+    (m, l, O) from block to block; parallel (head-parallel) plans compute every block and piece
+    from scratch and merge once. Returns (normalized [B', Hb, R, S', D], the last block's state
+    when ordered, else None).
     """
-    step, merge, skipped = ops
+    shape = q.shape
+    q = q.reshape(shape[0], shape[1], shape[2] * shape[3], shape[4])
+    step = functools.partial(_tile, scale=scale, softcap=softcap)
     state, finished = None, []
-    for t0, t1 in plan.kv:
-        kt, vb, m, bias = tile(t0, t1)
+    for (t0, t1), (kt, vb), (m, bias) in zip(plan.kv, tiles, masks, strict=True):
         if plan.ordered and prev is not None:
             (q,) = after(prev, q)
         if plan.parallel:
-            pieces = [
-                step(None, q, kt[..., a:c], vb[:, :, a:c], bias[..., a:c])
-                for a, c in _pieces(t1 - t0, plan.split)
-            ]
-            new = merge(pieces) if len(pieces) > 1 else pieces[0]
+            cuts = _pieces(t1 - t0, plan.split)
+            pieces = (
+                [step(None, q, kt[..., a:c], vb[:, :, a:c], bias[..., a:c]) for a, c in cuts]
+                if len(cuts) > 1
+                else [step(None, q, kt, vb, bias)]
+            )
+            new = _merge(pieces) if len(pieces) > 1 else pieces[0]
             old = None
         else:
             new = step(state, q, kt, vb, bias)
             old = state
         if plan.skip_kv:
-            new = skipped(m, old if old is not None else _empty(new), new)
+            # One flag per block (as QEfficient's skip_kv) so a compiler can branch on it; a
+            # block no query sees contributes nothing, so keeping the old state is exact.
+            skip = ~jnp.any(m)
+            old = old if old is not None else _empty(new)
+            new = tuple(jnp.where(skip, a, b) for a, b in zip(old, new, strict=True))
         if plan.parallel:
             finished.append(new)
         else:
             state = new
         prev = new
     if plan.parallel:
-        state = merge(finished) if len(finished) > 1 else finished[0]
-    return _finish(state, q.dtype), prev
+        state = _merge(finished) if len(finished) > 1 else finished[0]
+    return _finish(state, q.dtype).reshape(shape), prev if plan.ordered else None
 
 
-def _skipped(m, old, new):
-    """`new`, or `old` where no query of the block sees any of its keys (mask m): one flag per
-    block, as QEfficient's skip_kv, so a compiler can branch on it. Exact: such a block
-    contributes nothing."""
-    skip = ~jnp.any(m)
-    return tuple(jnp.where(skip, a, b) for a, b in zip(old, new, strict=True))
+def _keys(k, v, *, rows, heads, kv, dtype):
+    """Per KV block (bounds `kv`) of batch rows × kv heads (bounds): (K transposed
+    [B', Hb, D, Tb], V [B', Hb, Tb, D]) in dtype; made once per head block, read by every
+    query block."""
+    (b0, b1), (kv0, kv1) = rows, heads
+    blocks = [(k[b0:b1, kv0:kv1, t0:t1], v[b0:b1, kv0:kv1, t0:t1]) for t0, t1 in kv]
+    return [(jnp.swapaxes(kb.astype(dtype), -1, -2), vb.astype(dtype)) for kb, vb in blocks]
+
+
+def _kv_sides(kv_pos, kv_group, *, rows, kv):
+    """Per KV block (bounds `kv`), the key side (`_side`) of batch rows (bounds; None: all) of
+    kv_pos, kv_group [B, T]; made once per call, read by every query block's masks."""
+    rows = slice(*rows) if rows else slice(None)
+    return [
+        _side(kv_pos[rows, t0:t1], None if kv_group is None else kv_group[rows, t0:t1], 3)
+        for t0, t1 in kv
+    ]
+
+
+def _tile_masks(q_pos, q_group, kv_sides, *, window, fold):
+    """Per KV block, the mask of one query block and its `_bias`: bool [B', 1, S', Tb] —
+    folded [1, Hb, S', Tb] (`fold` = (B, Hkv, kv head bounds)), where row b·Hkv + j carries
+    batch row b's positions — made once per query block from its positions q_pos, q_group
+    [B', S'] and each KV block's key side (`_kv_sides`)."""
+    q_side = _side(q_pos, q_group, 2)
+    out = []
+    for kv_side in kv_sides:
+        m = _visible(q_side, kv_side, window)
+        if fold:
+            b, hkv, (kv0, kv1) = fold
+            m = jnp.broadcast_to(m, (b, hkv, *m.shape[2:])).reshape(1, b * hkv, *m.shape[2:])
+            m = m[:, kv0:kv1]
+        out.append((m, _bias(m)))
+    return out
 
 
 def _bias(m):
@@ -320,12 +357,33 @@ def _empty(state):
     return jnp.full_like(m, -jnp.inf), jnp.zeros_like(denom), jnp.zeros_like(o)
 
 
-def _jit(fn, **static):
-    """`fn` with `static` bound, jitted for one `blocked` call: a new function object, since JAX
-    caches traces per function object, and a trace must not outlive its context (x64, jax2onnx's
-    patched jnp functions: a trace of `_bias` made before an export and reused inside it put
-    2 MB constants in every tile of an ONNX function)."""
-    return jax.jit(functools.partial(fn, **static))
+# The block functions jitted for the trace `blocked` is called in (`_jit`), dropped with it.
+_TRACED = weakref.WeakKeyDictionary()
+
+
+def _jit(fn, trace, **static):
+    """`fn` with `static` bound, jitted: one function object per (fn, static) for every call of
+    `blocked` inside `trace` (the trace of a tracer argument, or None outside one), so a model's
+    layers reuse one block's trace.
+
+    JAX caches traces per function object, and a trace must not outlive its context (x64,
+    jax2onnx's patched jnp functions: a trace of `_bias` made before an export and reused inside
+    it put 2 MB constants in every tile of an ONNX function), hence one cache per trace.
+    """
+    key = (fn, tuple(sorted(static.items())))
+    cache = _TRACED.setdefault(trace, {}) if trace is not None else None
+    if cache is None:
+        return _eager_jit(*key)
+    if key not in cache:
+        cache[key] = jax.jit(functools.partial(fn, **static))
+    return cache[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_jit(fn, static):
+    """`_jit` outside a trace: shared by eager calls (they never run inside an export's trace, so
+    no trace made here meets another context; x64 is part of JAX's own cache key)."""
+    return jax.jit(functools.partial(fn, **dict(static)))
 
 
 def _executed_heads(plan, together):
@@ -364,12 +422,12 @@ def _blocked(
     """`blocked` for one resolved plan on local arrays (see `blocked` for shapes); with
     `heads_together` the plan's head blocks run as one (`_executed_heads`).
 
-    Each query-side and key-side cut of the positions, each tile's mask and each block's keys
-    are made once and reused by every block that needs them (cached on their bounds), so an
-    export has one of each, not one per head block or query block. The per-tile functions are
-    jitted for this call only (`_jit`): the first tile of a shape is traced and every later one
-    reuses that trace as one call (tracing each tile's ~30 ops anew made every trace of a 31B
-    prefill graph ~30 s).
+    Three jitted functions do the work: `_keys` per head block (each KV block's keys
+    transposed, shared by every query block), `_tile_masks` per query block (each tile's mask,
+    shared by every head block), `_query_block` per query block of each head block and n_rep
+    chunk. Jitted once per trace (`_jit`), a model's layers reuse one trace of each shape: a
+    trace of `blocked` costs a few calls, not the ~30 operations of each of its tiles (which
+    made every trace of a 31B prefill graph ~30 s, and an export traces it four times).
     """
     b, h, s, d = q.shape
     hkv = k.shape[1] // b if plan.batch_fold else k.shape[1]
@@ -377,48 +435,37 @@ def _blocked(
     q5 = q.reshape(b, hkv, g, s, d)
     if plan.batch_fold:
         q5 = q5.reshape(1, b * hkv, g, s, d)
-    rows_of = (lambda b0, b1: slice(None)) if plan.batch_fold else slice
-    visible, bias_of = _jit(_visible, sliding_window=sliding_window), _jit(_bias)
-    ops = (_jit(_tile, scale=scale, softcap=softcap), _jit(_merge), _jit(_skipped))
+    # `_trace`: the tracer's (JAX-internal; without it each call jits anew: slower, same numbers)
+    trace = getattr(q, "_trace", None)
+    block = _jit(_query_block, trace, plan=plan, scale=scale, softcap=softcap)
 
     @functools.cache
-    def q_side(b0, b1, q0, q1):
-        rows = rows_of(b0, b1)
-        return _side(q_pos[rows, q0:q1], None if q_group is None else q_group[rows, q0:q1], 2)
+    def kv_sides(r):
+        return _jit(_kv_sides, trace, rows=r, kv=plan.kv)(kv_pos, kv_group)
 
     @functools.cache
-    def kv_side(b0, b1, t0, t1):
-        rows = rows_of(b0, b1)
-        return _side(kv_pos[rows, t0:t1], None if kv_group is None else kv_group[rows, t0:t1], 3)
-
-    @functools.cache
-    def keys(b0, b1, kv0, kv1, t0, t1):
-        kt = jnp.swapaxes(k[b0:b1, kv0:kv1, t0:t1].astype(q.dtype), -1, -2)
-        return kt, v[b0:b1, kv0:kv1, t0:t1].astype(q.dtype)
-
-    @functools.cache
-    def tile(b0, b1, kv0, kv1, q0, q1, t0, t1):
-        m = visible(q_side(b0, b1, q0, q1), kv_side(b0, b1, t0, t1))
-        if plan.batch_fold:
-            # Folded row b·Hkv + j carries batch row b's positions.
-            m = jnp.broadcast_to(m, (b, hkv, *m.shape[2:])).reshape(1, b * hkv, *m.shape[2:])
-            m = m[:, kv0:kv1]
-        return (*keys(b0, b1, kv0, kv1, t0, t1), m, bias_of(m))
+    def masks(rows, heads, queries):
+        fold = (b, hkv, heads) if plan.batch_fold else None
+        fn = _jit(_tile_masks, trace, window=sliding_window, fold=fold)
+        r, (q0, q1) = None if fold else rows, queries
+        q_rows = slice(*r) if r else slice(None)
+        q_groups = None if q_group is None else q_group[q_rows, q0:q1]
+        return fn(q_pos[q_rows, q0:q1], q_groups, kv_sides(r))
 
     out_b, prev = [], None
-    for b0, b1 in plan.batch:
+    for rows in plan.batch:
         out_h = []
         for kv0, kv1, reps in _executed_heads(plan, heads_together):
+            keys = _jit(_keys, trace, rows=rows, heads=(kv0, kv1), kv=plan.kv, dtype=q.dtype)
+            tiles = keys(k, v)
             out_r = []
             for r0, r1 in reps:
                 out_q = []
-                for q0, q1 in plan.q:
-                    qb = q5[b0:b1, kv0:kv1, r0:r1, q0:q1]
-                    shape = qb.shape
-                    qb = qb.reshape(shape[0], shape[1], (r1 - r0) * (q1 - q0), d)
-                    block = functools.partial(tile, b0, b1, kv0, kv1, q0, q1)
-                    out, prev = _kv_loop(qb, block, plan, prev, ops)
-                    out_q.append(out.reshape(shape))
+                for queries in plan.q:
+                    qb = q5[rows[0] : rows[1], kv0:kv1, r0:r1, queries[0] : queries[1]]
+                    heads = (kv0, kv1) if plan.batch_fold else None
+                    out, prev = block(qb, tiles, masks(rows, heads, queries), prev)
+                    out_q.append(out)
                 out_r.append(_cat(out_q, 3))
             out_h.append(_cat(out_r, 2))
         out_b.append(_cat(out_h, 1))
