@@ -335,7 +335,7 @@ class Runner:
         got = self._run(seg, feed)
         ours = [got[o] for o in node.output]
         for n, v in zip(node.output, made, strict=True):
-            if self.last_use.get(n, -1) >= self.next or n in self.outputs:
+            if self.last_use.get(n, -1) >= self.next:  # read by a later segment
                 self.values[n] = np.asarray(v)
         return [glue.get(n) for n in args], ours
 
