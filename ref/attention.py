@@ -11,7 +11,6 @@ Inside, queries are grouped by kv head: `q [B, H, S, D]` is viewed as `[B, Hkv, 
 """
 
 import functools
-import operator
 import weakref
 
 import jax
@@ -81,16 +80,16 @@ def _shift(m):
 
 
 def _merge(states):
-    """Combine (m, l, O) states of disjoint KV pieces computed independently (head-parallel)."""
-    m_all = functools.reduce(jnp.maximum, [m for m, _, _ in states])
-    shift = _shift(m_all)
-    weights = [jnp.exp(m - shift) for m, _, _ in states]
-    l_all = functools.reduce(
-        operator.add, [w * denom for w, (_, denom, _) in zip(weights, states, strict=True)]
-    )
-    o_all = functools.reduce(
-        operator.add, [w * o for w, (_, _, o) in zip(weights, states, strict=True)]
-    )
+    """Combine (m, l, O) states (m, l [..., R, 1], O [..., R, D]) of disjoint KV pieces computed
+    independently (head-parallel), stacked on a new axis as QEfficient's prefill merge does: a
+    handful of operations however many pieces."""
+    m = jnp.concatenate([m for m, _, _ in states], axis=-1)
+    denom = jnp.concatenate([denom for _, denom, _ in states], axis=-1)
+    o = jnp.concatenate([o.reshape(*o.shape[:-1], 1, o.shape[-1]) for _, _, o in states], -2)
+    m_all = jnp.max(m, axis=-1, keepdims=True)
+    weights = jnp.exp(m - _shift(m_all))
+    l_all = jnp.sum(weights * denom, axis=-1, keepdims=True)
+    o_all = jnp.sum(weights.reshape(*weights.shape, 1) * o, axis=-2)
     return m_all, l_all, o_all
 
 
@@ -145,22 +144,23 @@ def mask(q_pos, kv_pos, *, sliding_window=None, q_group=None, kv_group=None):
         raise ValueError("q_group and kv_group must be given together (vision run ids, -1 = text)")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    return _visible(_side(q_pos, q_group, 2), _side(kv_pos, kv_group, 3), sliding_window)
+    return _visible(_side(q_pos, q_group), _side(kv_pos, kv_group, keys=True), sliding_window)
 
 
-def _side(pos, group, axis):
-    """One side of `mask`: positions [B, L] (and vision runs) placed on `axis` of [B, 1, ·, ·]
-    (2 for queries, 3 for keys) with their validity, so the blocked path can cut them once per
-    block and combine any two."""
+def _side(pos, group, *, keys=False, ndim=4):
+    """One side of `mask`: positions [B, L] (and vision runs) as [B, 1, …, L, 1] (queries) or
+    [B, 1, …, 1, L] (keys) of `ndim` dimensions, with their validity, so the blocked path can cut
+    them once per block and combine any two."""
     pos = jnp.asarray(pos)
-    shape = (pos.shape[0], 1, *((pos.shape[1], 1) if axis == 2 else (1, pos.shape[1])))
+    tail = (1, pos.shape[1]) if keys else (pos.shape[1], 1)
+    shape = (pos.shape[0], *(1,) * (ndim - 3), *tail)
     p = jnp.reshape(pos, shape)
     g = None if group is None else jnp.reshape(jnp.asarray(group), shape)
     return p, g, p >= 0, None if g is None else g >= 0
 
 
 def _visible(q_side, kv_side, sliding_window):
-    """`mask` from a query side [B, 1, S, 1] and a key side [B, 1, 1, T] (`_side`)."""
+    """`mask` from a query side [B, 1, …, S, 1] and a key side [B, 1, …, 1, T] (`_side`)."""
     qp, qg, q_valid, q_run = q_side
     kp, kg, kv_valid, _ = kv_side
     visible = kp <= qp
@@ -260,7 +260,7 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
 
     q: [B', Hb, R, S', D] (batch rows × kv heads × n_rep chunk × queries of the block); tiles:
     per KV block (K transposed [B', Hb, D, Tb], V [B', Hb, Tb, D]) (`_keys`); masks: per KV
-    block (mask bool [B', 1 | Hb, S', Tb], bias) (`_tile_masks`); prev: the state of the block
+    block (mask bool [B', 1 | Hb, 1, S', Tb], bias) (`_tile_masks`); prev: the state of the block
     computed before (None for the first; only `ordered` plans pass one). Sequential plans carry
     (m, l, O) from block to block; parallel (head-parallel) plans compute every block and piece
     from scratch and merge once. Returns (normalized [B', Hb, R, S', D], the last block's state
@@ -313,19 +313,18 @@ def _keys(k, v, *, rows, heads, kv, dtype):
 def _kv_sides(kv_pos, kv_group, *, rows, kv):
     """Per KV block (bounds `kv`), the key side (`_side`) of batch rows (bounds; None: all) of
     kv_pos, kv_group [B, T]; made once per call, read by every query block's masks."""
-    rows = slice(*rows) if rows else slice(None)
-    return [
-        _side(kv_pos[rows, t0:t1], None if kv_group is None else kv_group[rows, t0:t1], 3)
-        for t0, t1 in kv
-    ]
+    r = slice(*rows) if rows else slice(None)
+    groups = [None if kv_group is None else kv_group[r, t0:t1] for t0, t1 in kv]
+    cuts = zip(kv, groups, strict=True)
+    return [_side(kv_pos[r, t0:t1], g, keys=True, ndim=5) for (t0, t1), g in cuts]
 
 
 def _tile_masks(q_pos, q_group, kv_sides, *, window, fold):
-    """Per KV block, the mask of one query block and its `_bias`: bool [B', 1, S', Tb] —
-    folded [1, Hb, S', Tb] (`fold` = (B, Hkv, kv head bounds)), where row b·Hkv + j carries
+    """Per KV block, the mask of one query block and its `_bias`: bool [B', 1, 1, S', Tb] —
+    folded [1, Hb, 1, S', Tb] (`fold` = (B, Hkv, kv head bounds)), where row b·Hkv + j carries
     batch row b's positions — made once per query block from its positions q_pos, q_group
     [B', S'] and each KV block's key side (`_kv_sides`)."""
-    q_side = _side(q_pos, q_group, 2)
+    q_side = _side(q_pos, q_group, ndim=5)
     out = []
     for kv_side in kv_sides:
         m = _visible(q_side, kv_side, window)
@@ -338,11 +337,10 @@ def _tile_masks(q_pos, q_group, kv_sides, *, window, fold):
 
 
 def _bias(m):
-    """The additive mask `_tile` takes: bool [B, H, S, T] → [B, H, 1, S, T], 0 where visible and
-    −inf where not, in float32 (`_tile` adds it in the accumulation dtype: float32 or float64,
-    both hold 0 and −inf exactly)."""
-    bias = jnp.where(m, jnp.float32(0), jnp.float32(-jnp.inf))
-    return bias.reshape(m.shape[0], m.shape[1], 1, *m.shape[2:])
+    """The additive mask `_tile` takes: bool m → 0 where visible and −inf where not, in float32
+    (`_tile` adds it in the accumulation dtype: float32 or float64, both hold 0 and −inf
+    exactly)."""
+    return jnp.where(m, jnp.float32(0), jnp.float32(-jnp.inf))
 
 
 def _pieces(n, split):
