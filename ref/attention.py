@@ -359,19 +359,29 @@ def _empty(state):
 _TRACED = weakref.WeakKeyDictionary()
 
 
+def _trace_of(*arrays):
+    """The JAX trace `blocked`'s arguments belong to: None when none is a tracer (an eager call),
+    False when one is but JAX keeps its trace elsewhere than the (internal) `_trace`."""
+    tracers = [x for x in arrays if isinstance(x, jax.core.Tracer)]
+    return getattr(tracers[0], "_trace", False) if tracers else None
+
+
 def _jit(fn, trace, **static):
     """`fn` with `static` bound, jitted: one function object per (fn, static) for every call of
-    `blocked` inside `trace` (the trace of a tracer argument, or None outside one), so a model's
-    layers reuse one block's trace.
+    `blocked` inside `trace` (`_trace_of`), so a model's layers reuse one block's trace; shared
+    by eager calls (trace None: those never run inside an export's trace); a new one per call
+    when the trace is unknown (False: slower, the same numbers).
 
     JAX caches traces per function object, and a trace must not outlive its context (x64,
     jax2onnx's patched jnp functions: a trace of `_bias` made before an export and reused inside
     it put 2 MB constants in every tile of an ONNX function), hence one cache per trace.
     """
     key = (fn, tuple(sorted(static.items())))
-    cache = _TRACED.setdefault(trace, {}) if trace is not None else None
-    if cache is None:
+    if trace is None:
         return _eager_jit(*key)
+    if trace is False:
+        return jax.jit(functools.partial(fn, **static))
+    cache = _TRACED.setdefault(trace, {})
     if key not in cache:
         cache[key] = jax.jit(functools.partial(fn, **static))
     return cache[key]
@@ -379,8 +389,7 @@ def _jit(fn, trace, **static):
 
 @functools.lru_cache(maxsize=256)
 def _eager_jit(fn, static):
-    """`_jit` outside a trace: shared by eager calls (they never run inside an export's trace, so
-    no trace made here meets another context; x64 is part of JAX's own cache key)."""
+    """`_jit` for eager calls (x64 is part of JAX's own cache key)."""
     return jax.jit(functools.partial(fn, **dict(static)))
 
 
@@ -433,8 +442,7 @@ def _blocked(
     q5 = q.reshape(b, hkv, g, s, d)
     if plan.batch_fold:
         q5 = q5.reshape(1, b * hkv, g, s, d)
-    # `_trace`: the tracer's (JAX-internal; without it each call jits anew: slower, same numbers)
-    trace = getattr(q, "_trace", None)
+    trace = _trace_of(q, k, v, q_pos, kv_pos, q_group, kv_group)
     block = _jit(_query_block, trace, plan=plan, scale=scale, softcap=softcap)
 
     @functools.cache
