@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 import onnx.inliner
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from codegen import graphs
+from codegen.layerwise import session_at
 from codegen.verify import read_manifest, rebuild
 from ref import numerics
 from ref.gemma4.model import Gemma4
@@ -118,15 +118,7 @@ def _device_session(entry, folder, precision):
     model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
     model, names = device_graph(model, precision)
     path = os.path.join(folder, f".precision.{entry['name']}.onnx")
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString())
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]), names
-    finally:
-        os.remove(path)
+    return session_at(model, path), names
 
 
 def first_nonfinite_onnx(values, names, producers):

@@ -73,10 +73,10 @@ def _carry(state, m_new, shift, l_new, pv):
 
 
 def _shift(m):
-    """What exp() subtracts for row maxima m: m, or a finite stand-in (the dtype's lowest value)
-    where a row has seen no key (m = −inf), so that exp(−inf − shift) = 0. Exact: a finite m is
-    at least that value. One Max in an export, where a comparison and a select are two."""
-    return jnp.maximum(m, jnp.finfo(m.dtype).min)
+    """What exp() subtracts for row maxima m: m, or 0 where a row has seen no key (m = −inf),
+    so that exp(−inf − shift) = 0. Not `max(m, lowest float32)`: on a float16 device that
+    constant rounds to −inf and −inf − (−inf) is NaN (`verify --precision fp16` named it)."""
+    return jnp.where(m > -jnp.inf, m, 0.0)
 
 
 def _merge(states):
