@@ -12,9 +12,10 @@ holes that read as zeros (a 31B-shape checkpoint would otherwise write 58 GiB). 
 
 measuring wall seconds and peak RSS (`os.wait4`'s `ru_maxrss` of that one process) and
 reading the table's worst relative error per graph and where it was (layer or glue). The
-default run is E2B at seq_len 128 / ctx_len 8192 with the sliding ring (about 15 minutes); `--production` uses QEfficient's
-production shapes (prefill seq_len 1024 in qkv with 8 query chunks × 16 KV blocks, decode
-kv_headpar 8 blocks with skip_kv, ctx_len 65536, sliding ring); `--models E2B,31B`.
+default run is E2B at seq_len 128 / ctx_len 8192 with the sliding ring (about 15 minutes);
+`--production` uses QEfficient's production shapes (prefill seq_len 1024 in qkv with 8 query
+chunks × 16 KV blocks, decode kv_headpar 8 blocks with skip_kv, ctx_len 65536, sliding ring);
+`--models E2B,31B`.
 
 Goal (issue 23): peak RSS <= 8 GB for each.
 
