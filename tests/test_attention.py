@@ -740,7 +740,7 @@ def prefill_cases(draw):
     return dict(b=b, h=hkv * g, hkv=hkv, s=s, t=t, d=4), opts
 
 
-@settings(max_examples=examples(20))
+@settings(max_examples=examples(10))
 @given(prefill_cases(), st.booleans(), st.integers(0, 2**32 - 1))
 def test_prefill_heads_together_equal_the_plans_head_by_head_schedule(case, vision, seed):
     """Prefill modes run every kv head of a tile in one matmul (`_executed_heads`, as
