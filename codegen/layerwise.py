@@ -117,16 +117,15 @@ def segments(model):
     last_use = {}
     for i, seg in enumerate(out):
         made = set()
-        pulled, weights = [], []
+        pulled, weights = {}, []
         for node in seg.nodes:
             stack = [x for x in node.input if x in fixed and x not in initializers]
             while stack:
-                name = stack.pop()
-                c = const_producer[name]
-                if id(c) not in {id(p) for p in pulled}:
-                    pulled.append(c)
+                c = const_producer[stack.pop()]
+                if id(c) not in pulled:
+                    pulled[id(c)] = c
                     stack += [x for x in c.input if x in fixed and x not in initializers]
-        seg.nodes = sorted(pulled, key=lambda n: order[id(n)]) + seg.nodes
+        seg.nodes = sorted(pulled.values(), key=lambda n: order[id(n)]) + seg.nodes
         for node in seg.nodes:
             for x in node.input:
                 if x in initializers:
@@ -421,20 +420,18 @@ def _head_slices(name, checkpoint):
     return interceptor
 
 
-class _Weights(dict):
-    """verify's {name: float32 weight}, with every layer's and every row-gathered table's
-    weights left out (an empty placeholder): they are read when `ref` reaches them."""
-
-    def __init__(self, spec, checkpoint):
-        super().__init__()
-        self.deferred = {n for n in spec.weights if LAYER_NAME.search(n)} | set(spec.gathered)
-        self.deferred |= {spec.head} - {None}
-        for n in spec.weights:
-            self[n] = (
-                _PLACEHOLDER
-                if n in self.deferred
-                else np.asarray(checkpoint.read(n, mapped=False), np.float32)
-            )
+def _weights(spec, checkpoint):
+    """verify's {name: float32 weight}, with every layer's weights, the row-gathered tables
+    and the output head left out (an empty placeholder): they are read when `ref` reaches
+    them."""
+    deferred = {n for n in spec.weights if LAYER_NAME.search(n)} | set(spec.gathered)
+    deferred |= {spec.head} - {None}
+    return {
+        n: _PLACEHOLDER
+        if n in deferred
+        else np.asarray(checkpoint.read(n, mapped=False), np.float32)
+        for n in spec.weights
+    }
 
 
 def _kernel(spec):
@@ -465,7 +462,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     shared = {n: jax.device_put(x) for n, x in feed.items()}  # the same bytes as `feed`
     runner = Runner(model, folder, feed, spec.head, checkpoint)
     worst = Worst()
-    weights = _Weights(spec, checkpoint)
+    weights = _weights(spec, checkpoint)
     names = spec.weights
     calls = []
     started = time.perf_counter()

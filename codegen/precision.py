@@ -26,7 +26,7 @@ import onnx.inliner
 from onnx import TensorProto, helper
 
 from codegen import graphs
-from codegen.layerwise import session_at
+from codegen.layerwise import error, session_at
 from codegen.verify import read_manifest, rebuild
 from ref import numerics
 from ref.gemma4.model import Gemma4
@@ -147,13 +147,6 @@ def first_nonfinite_onnx(values, names, producers):
 # --- verify --precision ----------------------------------------------------------------------
 
 
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
-    err = float(np.max(np.abs(got - want))) if want.size else 0.0
-    return err / scale if scale else err
-
-
 def verify_precision(folder, precision, *, kv_dtype=None, seed=0, check_shards=True):
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
@@ -195,7 +188,7 @@ def verify_precision(folder, precision, *, kv_dtype=None, seed=0, check_shards=T
                 theirs = got[t.name]
                 if kv is not None and t.name in retained_out:
                     mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
-                errors.append((t.name, _rel(mine, want), _rel(theirs, want)))
+                errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
             layers = {}
             for r in records:
                 key = layer_of(r.name)

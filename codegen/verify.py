@@ -135,9 +135,8 @@ def _whole(spec, entry, folder, checkpoint, seed):
     return rows
 
 
-def _layered(spec, entry, folder, checkpoint, seed, log):
-    """Rows as `_whole`'s, checked layer by layer (`codegen.layerwise`)."""
-    model = load_graph(entry, folder, checkpoint)
+def _layered(spec, model, folder, checkpoint, seed, log):
+    """Rows as `_whole`'s, checked layer by layer (`codegen.layerwise`) on the graph `model`."""
     rows = []
     for s in spec.specializations:
         feed = _sample(spec, s, seed)
@@ -146,13 +145,13 @@ def _layered(spec, entry, folder, checkpoint, seed, log):
     return rows
 
 
-def way(spec, entry, folder, checkpoint, layerwise_given=None):
-    """ "layers" or "whole": how `verify` checks this graph. Language graphs whose layers are
-    ONNX functions go layer by layer when asked (layerwise_given True) or, by default, when
-    their float32 weights exceed LAYERWISE_BYTES; everything else whole."""
+def way(spec, entry, model, checkpoint, layerwise_given=None):
+    """ "layers" or "whole": how `verify` checks this graph (`model`, its ModelProto). Vision
+    and language graphs whose layers are ONNX functions go layer by layer when asked
+    (layerwise_given True) or, by default, when their float32 weights exceed LAYERWISE_BYTES;
+    everything else whole."""
     if layerwise_given is False or entry["kind"] not in ("vision", "prefill", "decode"):
         return "whole"
-    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
     if not layerwise.has_layers(model):
         return "whole"
     if layerwise_given or float32_bytes(spec, checkpoint) > LAYERWISE_BYTES:
@@ -179,12 +178,13 @@ def verify(folder, *, seed=0, check_shards=True, layerwise_given=None, log=None,
         if graphs and entry["name"] not in graphs:
             continue
         spec = rebuild(entry, checkpoint)
-        how = way(spec, entry, folder, checkpoint, layerwise_given)
+        model = load_graph(entry, folder, checkpoint)
+        how = way(spec, entry, model, checkpoint, layerwise_given)
         gib = float32_bytes(spec, checkpoint) / 2**30
         log(f"verify {spec.name}: {'layer by layer' if how == 'layers' else 'whole graph'} "
             f"({gib:.2f} GiB of float32 weights)")  # fmt: skip
         if how == "layers":
-            found = _layered(spec, entry, folder, checkpoint, seed, log)
+            found = _layered(spec, model, folder, checkpoint, seed, log)
         else:
             found = _whole(spec, entry, folder, checkpoint, seed)
         rows += [(spec.name, *r) for r in found]

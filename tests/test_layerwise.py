@@ -58,11 +58,12 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     manifest = v.read_manifest(out, check_shards=False)
     for entry in manifest["graphs"]:
         spec = v.rebuild(entry, checkpoint)
-        assert v.way(spec, entry, str(out), checkpoint) == "whole"
-        assert v.way(spec, entry, str(out), checkpoint, False) == "whole"
+        model = v.load_graph(entry, str(out), checkpoint)
+        assert v.way(spec, entry, model, checkpoint) == "whole"
+        assert v.way(spec, entry, model, checkpoint, False) == "whole"
         small = v.float32_bytes(spec, checkpoint) - 1
         monkeypatch.setattr(v, "LAYERWISE_BYTES", small)
-        assert v.way(spec, entry, str(out), checkpoint) == "layers"
+        assert v.way(spec, entry, model, checkpoint) == "layers"
         monkeypatch.undo()
 
 
