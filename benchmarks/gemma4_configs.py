@@ -13,6 +13,36 @@ transformers reads it as the tower's "axial" (`Gemma4VisionConfig.default_rope_t
 does `ref.gemma4.config.VisionConfig.from_hf`.
 """
 
+import copy
+
+# The vision tower of the on-device models (E2B, E4B): transformers' convert script keeps it
+# once too (`_ON_DEVICE_VISION_CONFIG`); each entry below gets its own deep copy.
+_ON_DEVICE_VISION = {
+    "model_type": "gemma4_vision",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "head_dim": 64,
+    "global_head_dim": 64,
+    "patch_size": 16,
+    "pooling_kernel_size": 3,
+    "position_embedding_size": 10240,
+    "default_output_length": 280,
+    "use_clipped_linears": True,
+    "standardize": False,
+    "rope_parameters": {
+        "rope_theta": 100.0,
+        "rope_type": "default",
+    },
+    "rms_norm_eps": 1e-06,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+}
+
 CONFIGS = {
     # google/gemma-4-E2B-it. Read from: transformers
     # src/transformers/models/gemma4/convert_gemma4_weights.py (`_VARIANTS["gemma-4-e2b"]`,
@@ -105,31 +135,7 @@ CONFIGS = {
             "eos_token_id": 1,
             "tie_word_embeddings": True,
         },
-        "vision_config": {
-            "model_type": "gemma4_vision",
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 12,
-            "head_dim": 64,
-            "global_head_dim": 64,
-            "patch_size": 16,
-            "pooling_kernel_size": 3,
-            "position_embedding_size": 10240,
-            "default_output_length": 280,
-            "use_clipped_linears": True,
-            "standardize": False,
-            "rope_parameters": {
-                "rope_theta": 100.0,
-                "rope_type": "default",
-            },
-            "rms_norm_eps": 1e-06,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": 131072,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-        },
+        "vision_config": copy.deepcopy(_ON_DEVICE_VISION),
         "audio_config": None,
         "image_token_id": 258880,
         "boi_token_id": 255999,
@@ -238,31 +244,7 @@ CONFIGS = {
             "eos_token_id": 1,
             "tie_word_embeddings": True,
         },
-        "vision_config": {
-            "model_type": "gemma4_vision",
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 12,
-            "head_dim": 64,
-            "global_head_dim": 64,
-            "patch_size": 16,
-            "pooling_kernel_size": 3,
-            "position_embedding_size": 10240,
-            "default_output_length": 280,
-            "use_clipped_linears": True,
-            "standardize": False,
-            "rope_parameters": {
-                "rope_theta": 100.0,
-                "rope_type": "default",
-            },
-            "rms_norm_eps": 1e-06,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "max_position_embeddings": 131072,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-        },
+        "vision_config": copy.deepcopy(_ON_DEVICE_VISION),
         "audio_config": None,
         "image_token_id": 258880,
         "boi_token_id": 255999,
