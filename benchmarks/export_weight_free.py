@@ -127,6 +127,12 @@ def run_export(model, out, args, log, extra=()):
         "--seq-len", str(args.seq_len), "--ctx-len", str(args.ctx_len),
         "--no-verify", "--no-hash", *extra,
     ]  # fmt: skip
+    return child(cmd, log)
+
+
+def child(cmd, log):
+    """Run cmd in the repository root with output to `log`; -> (exit code, wall s, peak RSS
+    bytes of that one process)."""
     with open(log, "wb") as f:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)

@@ -26,10 +26,8 @@ Goal (issue 23): peak RSS <= 8 GB for each.
 import argparse
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from export_weight_free import write_sparse_checkpoint  # noqa: E402
+from export_weight_free import child, write_sparse_checkpoint  # noqa: E402
 from gemma4_configs import CONFIGS  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -100,16 +98,6 @@ def write_checkpoint(folder, config, random, seed=0):
         fill(ckpt.tensors[name], rng)
         done += ckpt.tensors[name].nbytes
     return done
-
-
-def child(cmd, log):
-    """Run cmd with output to `log`; -> (exit code, wall s, peak RSS bytes)."""
-    with open(log, "wb") as f:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss * 1024
 
 
 def worst_per_graph(text):
