@@ -52,7 +52,11 @@ def _write(array, axis, index, values):
     `_spare_slot`): one scatter into `array` plus a spare slot at the end of `axis`, which takes
     every invalid write and is sliced away → array's shape and dtype."""
     n = array.shape[axis]
-    spare = jnp.concatenate([array, jnp.zeros_like(lax.slice_in_dim(array, 0, 1, axis=axis))], axis)
+    # jnp.zeros of a shape, not zeros_like: jax2onnx keeps the former as one ConstantOfShape but
+    # stores the latter as an initializer, which for a write along the slot axis is a whole
+    # cache row ([1, Hkv, T, D]: 1 GiB at ctx 65,536) per cache.
+    shape = array.shape[:axis] + (1,) + array.shape[axis + 1 :]
+    spare = jnp.concatenate([array, jnp.zeros(shape, array.dtype)], axis)
     spare = spare.at[index].set(values.astype(array.dtype), mode="promise_in_bounds")
     return lax.slice_in_dim(spare, 0, n, axis=axis)
 

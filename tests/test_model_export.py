@@ -4,15 +4,19 @@ token for token against transformers' Gemma4ForConditionalGeneration.generate (g
 Two randomized tiny VLMs saved by transformers: dense with per-layer embeddings and KV sharing,
 and MoE with attention_k_eq_v; both with a sliding window (5) shorter than their longest
 image run (9 tokens). Prompts need several prefill chunks (seq_len 12); batch 2 rows hold
-different images, or none. Each export is shared by the examples drawn for it.
+different images, or none. Each export is shared by the examples drawn for it. And at a long
+context with continuous batching, no graph stores an array that grows with ctx_len.
 """
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from onnx import numpy_helper
 
 from codegen.__main__ import main
+from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
 from codegen.runtime import RunError, Runner
 from tests.hf_vision import patches_for
@@ -200,3 +204,34 @@ def test_run_command_prints_the_tokens(tmp_path_factory, tmp_path, capsys):
     assert "prefill chunk" in err and "decode step" in err
     assert main(["run", runner.folder, "--prompt-ids", "9,999"]) == 2
     assert "token id 999" in capsys.readouterr().err
+
+
+def _stored_arrays(model):
+    """(name, bytes) of every array an ONNX model holds in itself: initializers without
+    external data and Constant nodes, in the graph and in its functions."""
+    graphs = [model.graph.node] + [f.node for f in model.functions]
+    consts = [a.t for nodes in graphs for n in nodes if n.op_type == "Constant" for a in n.attribute]
+    inits = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    return [(t.name, numpy_helper.to_array(t).nbytes) for t in inits + consts if t.dims]
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    return default_checkpoint(tmp_path_factory.mktemp("default") / "default")
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_path_factory):
+    """At a long context with continuous batching, every array a graph stores stays small:
+    the caches' spare slot and the empty run-id record are ops (ConstantOfShape), not
+    initializers (before: a [1, Hkv, T, D] spare row per cache, 1 GiB each at ctx 65,536)."""
+    ctx_len = 4096
+    out = tmp_path_factory.mktemp("long-ctx") / "out"
+    options = dict(budgets=(), sliding_ring=ring, full_batch_size=2, seq_len=16, ctx_len=ctx_len)
+    opts = ExportOptions(out=out, model=default_model, verify=False, hash_shards=False, **options)
+    export(opts, log=lambda msg: None)
+    bound = 4 * 1024  # below one int32 per slot (4 · ctx_len bytes), far below a cache row
+    for name in ("prefill", "decode"):
+        stored = _stored_arrays(onnx.load(out / f"{name}.onnx", load_external_data=False))
+        big = [(t, n) for t, n in stored if n > bound]
+        assert not big, f"{name}.onnx stores arrays over {bound} bytes: {big}"

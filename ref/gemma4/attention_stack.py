@@ -44,8 +44,10 @@ class AttentionLayer(nn.Module):
         # Only this call's run ids matter: every cached key of an earlier call sits at a
         # smaller position than all of this call's queries, so it is visible causally anyway.
         kv_group = None
-        if groups is not None:
-            kv_group = cache.scatter_positions(jnp.full_like(kv_pos, -1), groups, position_ids)
+        if groups is not None:  # jnp.full, not full_like: no [B, T] constant in an export
+            kv_group = cache.scatter_positions(
+                jnp.full(kv_pos.shape, -1, kv_pos.dtype), groups, position_ids
+            )
         seen = {"kv_pos": kv_pos, "kv_group": kv_group}
         mask_args = T.layer_mask_args(c, position_ids, groups, seen, seen)
         kernel = attention.reference

@@ -97,7 +97,8 @@ def linear_memory(cache, positions, groups):
         cache = dict(cache, pos=pos, group=group)
     else:
         pos = causal_positions(positions, cache_len(cache))
-        group = scatter_positions(jnp.full_like(pos, -1), groups, positions)
+        # jnp.full, not full_like: an export keeps it as an op, not a [B, T] constant
+        group = scatter_positions(jnp.full(pos.shape, -1, pos.dtype), groups, positions)
     return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions)
 
 
@@ -124,7 +125,7 @@ def ring_memory(cache, positions, groups, window):
         ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
     else:
         ring_pos = ring_positions(positions, window)
-        ring_group = jnp.full_like(ring_pos, -1)
+        ring_group = jnp.full(ring_pos.shape, -1, ring_pos.dtype)
     slots = rolling_slots(positions, window)
     seen = {
         "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
