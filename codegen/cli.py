@@ -161,8 +161,10 @@ def parser():
     )
     e.add_argument(
         "--sliding-ring",
-        action="store_true",
-        help="sliding-window layers keep a ring of sliding_window slots instead of ctx_len",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sliding-window layers keep a ring of min(sliding_window, ctx_len) slots, as "
+        "QEfficient sizes them (the default); --no-sliding-ring: ctx_len slots, as full layers",
     )
     e.add_argument(
         "--blocking",

@@ -52,7 +52,7 @@ class ExportOptions:
     graphs: tuple = ("model",)  # "model" (vision, prefill, decode) and/or "attention"
     prefill_blocking: tuple = ("none", {})  # (mode, {option: value})
     decode_blocking: tuple = ("none", {})
-    sliding_ring: bool = False
+    sliding_ring: bool = True  # sliding layers in a ring of the window's slots
     full_batch_size: int | None = None
     blocking: tuple = ()  # attention graphs: ((mode, {option: value}), ...)
     attention_layers: int | None = None

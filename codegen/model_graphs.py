@@ -146,7 +146,7 @@ def model_graph(
     seq_len,
     ctx_len,
     budgets=(),
-    sliding_ring=False,
+    sliding_ring=True,
     full_batch_size=None,
     use_functions=True,
 ):
