@@ -10,11 +10,12 @@ process each,
     python -m codegen export --model CKPT --out OUT --budgets 280,1120 --seq-len 1024 \\
         --ctx-len 65536 --prefill-blocking qkv:prefill_block_chunks=8,num_kv_blocks=16 \\
         --decode-blocking kv_headpar:num_kv_blocks=8,skip_kv=true --no-verify --no-hash \\
-        [--full-batch-size 4] [--sliding-ring]
+        [--full-batch-size 4] [--no-sliding-ring]
 
 and reports per export: wall s and peak RSS of the child (`os.wait4`, as export_weight_free
-measures them), bytes copied (manifest), and per graph its trace seconds and node count as
-top-level nodes + the nodes inside its ONNX functions (the decoder layers).
+measures them), bytes copied and the .onnx files' size (manifest), and per graph its trace
+seconds and node count as top-level nodes + the nodes inside its ONNX functions (the decoder
+layers).
 
 Goal per export (issue 23): < 30 s whole process, < 1.5 GB peak RSS, 0 bytes copied. The
 children run under a 6 GB address-space limit (`RLIMIT_AS`, 4x the RSS goal; an export needs
@@ -23,7 +24,7 @@ calling the OOM killer on a shared host (measured: `--full-batch-size 4` at 31B 
 
     python benchmarks/export_production.py          # 31B, without and with --full-batch-size 4
     python benchmarks/export_production.py --all    # every model in CONFIGS
-    python benchmarks/export_production.py --models E2B --sliding-ring --keep DIR
+    python benchmarks/export_production.py --models E2B --no-sliding-ring --keep DIR
 
 Exit status 0 when every export ran and met the goal.
 """
@@ -84,6 +85,7 @@ def bench(name, root, variant, extra, keep):
         for g in manifest["graphs"]
     }
     result["copied"] = manifest["bytes_copied"]
+    result["onnx_mb"] = sum(g["onnx_bytes"] for g in manifest["graphs"]) / 1e6
     result["problems"] += check_links(model, out, manifest)
     if not keep:
         shutil.rmtree(out)
@@ -98,13 +100,14 @@ def passed(r):
 def table(results):
     """Markdown: one row per export; per graph `trace s · top + in functions` nodes."""
     names = list(dict.fromkeys(g for r in results for g in r.get("graphs", {})))
-    head = ["model", "variant", "wall s", "peak RSS MB", "bytes copied"]
+    head = ["model", "variant", "wall s", "peak RSS MB", "bytes copied", "ONNX MB"]
     head += [f"{g}: trace s, nodes top + in functions" for g in names] + ["goal"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         graphs = r.get("graphs", {})
         cells = [r["model"], r["variant"], f"{r['wall']:.1f}", f"{r['rss'] / 1e6:.0f}"]
         cells.append(str(r["copied"]) if r["code"] == 0 else "-")
+        cells.append(f"{r['onnx_mb']:.2f}" if r["code"] == 0 else "-")
         for g in names:
             if g in graphs:
                 top, inner = graphs[g]["nodes"]
@@ -124,9 +127,11 @@ def main():
     )
     p.add_argument("--all", action="store_true", help="every model in CONFIGS")
     p.add_argument(
-        "--sliding-ring",
+        "--no-sliding-ring",
+        dest="linear",
         action="store_true",
-        help="also export each variant with --sliding-ring (sliding layers keep a window ring)",
+        help="also export each variant with --no-sliding-ring (sliding layers hold ctx_len "
+        "slots; the default is a ring of the window's)",
     )
     p.add_argument("--keep", type=Path, help="write checkpoints and exports here and keep them")
     args = p.parse_args()
@@ -137,8 +142,8 @@ def main():
     if unknown or not names:
         p.error(f"--models: unknown {unknown}; expected some of {', '.join(CONFIGS)}")
     variants = [("batch 1", ()), ("fbs 4", ("--full-batch-size", "4"))]
-    if args.sliding_ring:
-        variants += [(f"{v}, ring", (*e, "--sliding-ring")) for v, e in variants]
+    if args.linear:
+        variants += [(f"{v}, linear", (*e, "--no-sliding-ring")) for v, e in variants]
     resource.setrlimit(
         resource.RLIMIT_AS, (ADDRESS_SPACE, resource.getrlimit(resource.RLIMIT_AS)[1])
     )
