@@ -54,9 +54,11 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None):
 def _run_precision(args):
     from codegen.precision import precision_table, verify_precision
 
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     results = verify_precision(
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
-        check_shards=not args.skip_shard_check,
+        check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,
+        graphs=args.graphs,
     )  # fmt: skip
     text, bad = precision_table(results, args.precision)
     print(text)

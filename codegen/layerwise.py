@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 import onnxruntime as ort
+from jax.extend import core
 from onnx import helper
 
 from codegen import graphs
@@ -244,9 +245,13 @@ def session_at(model, path):
 class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
-    def __init__(self, model, folder, feed, head=None, checkpoint=None):
+    def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None):
+        """rewrite(segment ModelProto) → (ModelProto, names): each segment run as rewritten,
+        with `names` (its probed tensors) as extra outputs handed to probe(segment ModelProto,
+        {name: value}, the segment's feed) (`verify --precision`)."""
         self.model, self.folder = model, folder
         self.head, self.checkpoint = head, checkpoint
+        self.rewrite, self.probe = rewrite, probe
         self.segments, self.last_use = segments(model)
         self.inits = {t.name: t for t in model.graph.initializer}
         self.values = dict(feed)
@@ -272,7 +277,11 @@ class Runner:
             ir_version=self.model.ir_version,
             functions=list(self.model.functions),
         )
-        return session_at(m, os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx"))
+        path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
+        if self.rewrite is None:
+            return _Probed(session_at(m, path), m, (), None)
+        rewritten, probed = self.rewrite(onnx.ModelProto.FromString(m.SerializeToString()))
+        return _Probed(session_at(rewritten, path), m, probed, self.probe)
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them; a glue segment that projects
@@ -315,6 +324,19 @@ class Runner:
                 raise LayerwiseError(f"layer call {seg.layer} reached before `ref` gave it")
             self.values.update(self._run(seg, self.values))
 
+    def run_all(self):
+        """Every segment, layer calls included, on the values onnxruntime made itself → yields
+        (graph output, value) as each is made; values no later segment reads are dropped."""
+        while self.next < len(self.segments):
+            at = self.next
+            seg = self.segments[at]
+            for n, v in self._run(seg, self.values).items():
+                if n in self.outputs:
+                    self.made.pop(n, None)
+                    yield n, v
+                if self.last_use.get(n, -1) > at:
+                    self.values[n] = v
+
     def layer(self, call, kind, arrays, n_weights, made):
         """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its `n_weights`
         weights → (its inputs as onnxruntime's glue made them, or None where `ref`'s carry
@@ -337,6 +359,43 @@ class Runner:
             if self.last_use.get(n, -1) >= self.next:  # read by a later segment
                 self.values[n] = np.asarray(v)
         return [glue.get(n) for n in args], ours
+
+    def released(self, call, names, made, arrays):
+        """`released` for layer call `call`, onnxruntime's `names` of its results `made`."""
+        return released(made, names, arrays, self.outputs, self.last_use, self.calls[call])
+
+
+def released(made, names, arrays, outputs, last_use, at):
+    """`made` (a layer call's `ref` results; `names`: onnxruntime's for them, the call the
+    segment at index `at`) with each graph output that no later segment reads, compared
+    already, replaced by an input array of its shape and dtype: a step's new caches are then
+    not all held until it ends."""
+    out = list(made)
+    for i, (n, v) in enumerate(zip(names, made, strict=True)):
+        if n not in outputs or last_use.get(n, -1) > at:
+            continue
+        same = [a for a in arrays if a.shape == v.shape and a.dtype == v.dtype]
+        if same:
+            out[i] = same[0]
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _Probed:
+    """A segment's session whose run also hands its probed tensors to `probe`."""
+
+    session: object
+    model: object
+    probed: tuple
+    probe: object
+
+    def run(self, names, feed):
+        if not self.probed:
+            return self.session.run(names, feed)
+        wanted = list(dict.fromkeys([*names, *self.probed]))
+        got = dict(zip(wanted, self.session.run(wanted, feed), strict=True))
+        self.probe(self.model, {n: got[n] for n in self.probed}, feed)
+        return [got[n] for n in names]
 
 
 def error(got, want):
@@ -385,9 +444,27 @@ def _layer_weights(names, checkpoint, module):
     return out
 
 
+_HOST = core.Primitive("host_call")
+_HOST.multiple_results = True
+_HOST.def_impl(lambda *args, fn, avals: fn(*args))
+_HOST.def_abstract_eval(lambda *args, fn, avals: avals)
+
+
+def host_call(fn, avals, *args):
+    """fn(*args) as one operation of a traced function → its results (a list): evaluated op
+    by op (`ref.numerics.probe`), fn is called with the arrays reached. avals: the results'
+    ShapedArrays (`aval`)."""
+    return _HOST.bind(*args, fn=fn, avals=tuple(avals))
+
+
+def aval(shape, dtype=jnp.float32):
+    return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
+
+
 def _gather_rows(names, checkpoint):
     """An interceptor computing `ref.layers.Embedding` from the shard's rows when its table
-    was left out (`weight[ids] · scale`, only the rows asked for are read)."""
+    was left out (`weight[ids] · scale`, only the rows asked for are read; traced ids: the
+    read is a `host_call`)."""
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
@@ -396,8 +473,16 @@ def _gather_rows(names, checkpoint):
         if module.variables["params"]["weight"].size:
             return next_fun(*args, **kwargs)
         table = checkpoint.read(_checkpoint_name(names, module, ["weight"]))
-        rows = np.asarray(table[np.asarray(args[0])], np.float32)
-        return jnp.asarray(rows) * jnp.asarray(module.scale, jnp.float32)
+
+        def rows(ids):
+            return [jnp.asarray(np.asarray(table[np.asarray(ids)], np.float32))]
+
+        ids = args[0]
+        if isinstance(ids, jax.core.Tracer):
+            (got,) = host_call(rows, [aval((*ids.shape, table.shape[1]))], ids)
+        else:
+            (got,) = rows(ids)
+        return got * jnp.asarray(module.scale, jnp.float32)
 
     return interceptor
 
@@ -470,11 +555,16 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     def check(module, kind, slot, arrays):
         k = len(calls)
         params = _layer_weights(names, checkpoint, module)
-        inputs = [*arrays, *params]
-        made, out_map, tree = slot.results(inputs)
+        n_params = len(params)
+        made, out_map, tree = slot.results([*arrays, *params])
+        # `ref`'s float32 layer weights go before onnxruntime loads its own copy
+        jax.block_until_ready(made)
+        del params
+        if any(src == "in" and j >= len(arrays) for src, j in out_map):
+            raise LayerwiseError(f"layer {k} ({kind}) returns one of its weights")
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         where = f"layer {k} ({kind})"
-        glue, ours = runner.layer(k, kind, arrays, len(params), made)
+        glue, ours = runner.layer(k, kind, arrays, n_params, made)
         for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
             if g is not None:
                 worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")
@@ -484,7 +574,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
             worst.add(output, o, r, where)
         calls.append(k)
         log(f"  {spec.name}: {where} checked, {time.perf_counter() - started:.1f} s")
-        return slot.outputs(inputs, made)
+        return slot.outputs(list(arrays), runner.released(k, named, made, arrays))
 
     with (
         graphs.layer_scope(),

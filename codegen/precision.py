@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 
 from codegen import graphs
 from codegen.layerwise import error, session_at
-from codegen.verify import read_manifest, rebuild
+from codegen.verify import VerifyError, load_graph, read_manifest, rebuild, way
 from ref import numerics
 from ref.gemma4.model import Gemma4
 from ref.gemma4.step import apply_step
@@ -147,68 +147,110 @@ def first_nonfinite_onnx(values, names, producers):
 # --- verify --precision ----------------------------------------------------------------------
 
 
-def verify_precision(folder, precision, *, kv_dtype=None, seed=0, check_shards=True):
+def verify_precision(
+    folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
+    log=None, graphs=None,
+):  # fmt: skip
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
     layers [(layer, max |x|)], onnx_max, first nonfinite (ref: Record or None; onnx: name or
-    None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`."""
+    None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`, way ("whole
+    graph" or "layer by layer", chosen as `verify` chooses: `codegen.verify.way`). log(line):
+    progress; graphs: the names of the graphs to check (default all)."""
     precision = numerics.format_name(precision)
     kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    log = log or (lambda line: None)
     folder = os.path.abspath(folder)
     manifest = read_manifest(folder, check_shards=check_shards)
     checkpoint = open_checkpoint(folder)
+    names = [e["name"] for e in manifest["graphs"]]
+    unknown = sorted(set(graphs or ()) - set(names))
+    if unknown:
+        raise VerifyError(f"{folder}: no graph {unknown[0]!r}; the export has {names}")
     results = []
     for entry in manifest["graphs"]:
+        if graphs and entry["name"] not in graphs:
+            continue
         # fn: the composition exported (vision tiles included: their order is part of it)
         spec = rebuild(entry, checkpoint)
-        session, names = _device_session(entry, folder, precision)
-        onnx_model = inline(
-            onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
-        )
-        producers = {o: n for n in onnx_model.graph.node for o in n.output}
-        weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
-        retained_in = {a for a, _ in spec.retained}
-        retained_out = {b for _, b in spec.retained}
-        for s in spec.specializations:
-            rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
-            feed = spec.sample(s["symbols"], rng)
-            if kv is not None:
-                feed = {
-                    k: np.asarray(numerics.store(v, kv)) if k in retained_in else v
-                    for k, v in feed.items()
-                }
-            args = [feed[t.name] for t in spec.inputs] + weights
-            with graphs.layer_scope():
-                exact = jax.jit(spec.fn)(*args)
-                low, records = numerics.probe(spec.fn, precision, *args)
-            names_out = [o.name for o in session.get_outputs()]
-            got = dict(zip(names_out, session.run(None, feed), strict=True))
-            errors = []
-            for t, want, mine in zip(spec.outputs, exact, low, strict=True):
-                theirs = got[t.name]
-                if kv is not None and t.name in retained_out:
-                    mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
-                errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
-            layers = {}
-            for r in records:
-                key = layer_of(r.name)
-                layers[key] = max(layers.get(key, 0.0), r.max_abs)
-            probed = {n: got[n] for n in names}
+        model = load_graph(entry, folder, checkpoint)
+        layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
+        log(f"verify --precision {precision} {spec.name}: "
+            f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
+        check = _layered if layered else _whole
+        for s, found in check(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
             results.append(
                 {
                     "graph": spec.name,
                     "specialization": s["name"],
-                    "layers": list(layers.items()),
-                    "onnx_max": max(
-                        float(np.max(np.abs(v[np.isfinite(v)]), initial=0)) for v in probed.values()
-                    ),
-                    "ref_nonfinite": next((r for r in records if r.nonfinite), None),
-                    "onnx_nonfinite": first_nonfinite_onnx(probed, names, producers),
-                    "errors": errors,
+                    **found,
                     "clipped": bool((entry.get("clip_fp16") or {}).get("tensors")),
+                    "way": "layer by layer" if layered else "whole graph",
                 }
             )
     return results
+
+
+def _feeds(spec, seed, kv):
+    """(specialization, its sample inputs with the retained ones stored as `kv`)."""
+    retained_in = {a for a, _ in spec.retained}
+    for s in spec.specializations:
+        rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
+        feed = spec.sample(s["symbols"], rng)
+        if kv is not None:
+            feed = {
+                k: np.asarray(numerics.store(v, kv)) if k in retained_in else v
+                for k, v in feed.items()
+            }
+        yield s, feed
+
+
+def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+    from codegen.layered_precision import precision_specialization
+
+    for s, feed in _feeds(spec, seed, kv):
+        layers, onnx_max, ref_bad, onnx_bad, errors = precision_specialization(
+            spec, model, folder, checkpoint, feed, precision, kv, log
+        )
+        yield s, {"layers": layers, "onnx_max": onnx_max, "ref_nonfinite": ref_bad,
+                  "onnx_nonfinite": onnx_bad, "errors": errors}  # fmt: skip
+
+
+def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+    session, names = _device_session(entry, folder, precision)
+    producers = {o: n for n in inline(model).graph.node for o in n.output}
+    weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+    retained_out = {b for _, b in spec.retained}
+    for s, feed in _feeds(spec, seed, kv):
+        args = [feed[t.name] for t in spec.inputs] + weights
+        with graphs.layer_scope():
+            exact = jax.jit(spec.fn)(*args)
+            low, records = numerics.probe(spec.fn, precision, *args)
+        names_out = [o.name for o in session.get_outputs()]
+        got = dict(zip(names_out, session.run(None, feed), strict=True))
+        errors = []
+        for t, want, mine in zip(spec.outputs, exact, low, strict=True):
+            theirs = got[t.name]
+            if kv is not None and t.name in retained_out:
+                mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
+            errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
+        layers = {}
+        for r in records:
+            key = layer_of(r.name)
+            layers[key] = max(layers.get(key, 0.0), r.max_abs)
+        probed = {n: got[n] for n in names}
+        yield (
+            s,
+            {
+                "layers": list(layers.items()),
+                "onnx_max": max(
+                    float(np.max(np.abs(v[np.isfinite(v)]), initial=0)) for v in probed.values()
+                ),
+                "ref_nonfinite": next((r for r in records if r.nonfinite), None),
+                "onnx_nonfinite": first_nonfinite_onnx(probed, names, producers),
+                "errors": errors,
+            },
+        )
 
 
 def _table(head, rows):

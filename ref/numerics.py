@@ -194,36 +194,75 @@ def _is_float(x):
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _eval(closed, args, precision, sink=None, prefix=""):
-    """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); sink: None,
-    or sink(path, primitive, result, operands) called per float result of an operation."""
-    env = {}
+def _last_uses(jaxpr):
+    """{var: index of the last equation reading it}; the jaxpr's outputs are read at the end."""
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal):
+                last[v] = i
+    for v in jaxpr.outvars:
+        if not isinstance(v, core.Literal):
+            last[v] = len(jaxpr.eqns)
+    return last
+
+
+def _all_finite(x):
+    return not _is_float(x) or bool(np.isfinite(np.asarray(x, np.float32)).all())
+
+
+def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
+    """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
+    is dropped after the last equation reading it. sink: None, or sink(path, primitive,
+    result, inputs_finite) → whether result is all finite, called per float result of an
+    operation (inputs_finite: every float operand all finite); finite_in: that per argument,
+    where known."""
+    env, finite = {}, {}
 
     def read(v):
         if isinstance(v, core.Literal):
             return round_to(v.val, precision) if _is_float(v.val) else v.val
         return env[v]
 
+    def is_finite(v):
+        if isinstance(v, core.Literal):
+            return _all_finite(v.val)
+        if v not in finite:
+            finite[v] = _all_finite(env[v])
+        return finite[v]
+
     jaxpr = closed.jaxpr
+    last = _last_uses(jaxpr)
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = round_to(c, precision)
-    for v, a in zip(jaxpr.invars, args, strict=True):
+    for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
         env[v] = round_to(a, precision)
-    for eqn in jaxpr.eqns:
+        if finite_in is not None:
+            finite[v] = finite_in[j]
+    for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
         path = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
         body = _CALLS.get(eqn.primitive.name)
         if body is not None:
-            outs = _eval(eqn.params[body], ins, precision, sink, path)
+            known = None if sink is None else [is_finite(v) for v in eqn.invars]
+            outs = _eval(eqn.params[body], ins, precision, sink, path, known)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]
             outs = [round_to(o, precision) if _is_float(o) else o for o in outs]
-            for o in outs if sink is not None else ():
-                if _is_float(o) and o.size:
-                    sink(path, eqn.primitive.name, o, ins)
+            if sink is not None:
+                pairs = zip(eqn.invars, ins, strict=True)
+                operands = all(is_finite(v) for v, x in pairs if _is_float(x))
+                for v, o in zip(eqn.outvars, outs, strict=True):
+                    if _is_float(o) and o.size:
+                        finite[v] = sink(path, eqn.primitive.name, o, operands)
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
+        del ins
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal) and last.get(v) == i:
+                env.pop(v, None)
+                finite.pop(v, None)
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -252,28 +291,21 @@ def emulate(fn, precision):
     return run
 
 
-def probe(fn, precision, *args):
+def probe(fn, precision, *args, records=None):
     """fn's result in `precision` (as `emulate`, run op by op, not compiled) and a Record
-    per float tensor it made, in program order → (result, [Record])."""
+    per float tensor it made, in program order → (result, [Record]); records: a list to
+    append them to (the one returned), e.g. shared with probes run inside fn's operations."""
     precision = format_name(precision)
     closed, out_tree, flat = _traced(fn, args)
-    records = []
-    finite = {}  # id → (value, all finite): each tensor scanned once; held, so ids stay unique
+    records = [] if records is None else records
 
-    def all_finite(x):
-        if id(x) not in finite:
-            finite[id(x)] = (x, bool(np.isfinite(np.asarray(x, np.float32)).all()))
-        return finite[id(x)][1]
-
-    def sink(path, primitive, out, ins):
+    def sink(path, primitive, out, operands_finite):
         values = np.abs(np.asarray(out, np.float32))
         ok = np.isfinite(values)
-        finite[id(out)] = (out, bool(ok.all()))
-        turned = bool(np.isnan(values).any()) or (
-            not ok.all() and all(all_finite(i) for i in ins if _is_float(i))
-        )
+        turned = bool(np.isnan(values).any()) or (not ok.all() and operands_finite)
         peak = float(values[ok].max()) if ok.any() else 0.0
         records.append(Record(module_path(path), primitive, tuple(out.shape), peak, turned))
+        return bool(ok.all())
 
     outs = _eval(closed, flat, precision, sink)
     return jax.tree_util.tree_unflatten(out_tree, outs), records

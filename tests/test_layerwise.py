@@ -159,3 +159,37 @@ def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeyp
     rows = verify(out, seed=5, layerwise_given=True, graphs=["prefill", "decode"])
     assert not _bad(rows), _bad(rows)
     assert sum(sliced) == 2  # the logits of prefill (one budget) and decode
+
+
+def test_precision_layer_by_layer_gives_the_whole_graph_report(out):
+    """`verify --precision` layer by layer (device-model passes per segment and per layer
+    call) against the whole-graph device model on the blocked prefill and the head-parallel
+    decode, KV inputs stored as float16: the same layers and peaks (the same operations on
+    the same values), the same ONNX peak, errors to float32 within 1e-4 of each other (their
+    float32 oracles differ: the exported composition jitted, the dense reference sliced)."""
+    from codegen.precision import verify_precision
+
+    runs = {
+        given: verify_precision(
+            out,
+            "fp16",
+            kv_dtype="fp16",
+            seed=1,
+            layerwise_given=given,
+            graphs=["prefill", "decode"],
+        )  # fmt: skip
+        for given in (False, True)
+    }
+    assert [r["way"] for r in runs[True]] == ["layer by layer"] * 2
+    for whole, layered in zip(runs[False], runs[True], strict=True):
+        assert whole["way"] == "whole graph"
+        assert dict(whole["layers"]).keys() == dict(layered["layers"]).keys()
+        peaks = dict(layered["layers"])
+        for name, a in whole["layers"]:
+            assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
+        assert abs(whole["onnx_max"] - layered["onnx_max"]) <= 1e-6 * whole["onnx_max"]
+        assert whole["ref_nonfinite"] is layered["ref_nonfinite"] is None
+        assert whole["onnx_nonfinite"] is layered["onnx_nonfinite"] is None
+        for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
+            assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
+            assert 0 < max(a, b) < 3e-2 or o == "image_idx_output", (o, a, b)

@@ -195,16 +195,19 @@ def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_
         export(ExportOptions(out=out, model=model, budgets=(70,), verify=False, clip_fp16=clip))
     assert main(["verify", str(tmp_path / "plain")]) == 0  # float32 is fine
     capsys.readouterr()
-    assert main(["verify", str(tmp_path / "plain"), "--precision", "fp16"]) == 1
-    text = capsys.readouterr().out
-    assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
-    assert "onnx: tensor 'sub_out_1' (Sub of " in text
-    assert main(["verify", str(tmp_path / "plain"), "--precision", "bf16"]) == 0  # 3.4e38
-    capsys.readouterr()
     entry = json.loads((tmp_path / "clipped" / "manifest.json").read_text())["graphs"][0]
     assert entry["clip_fp16"]["weights"] == [] and "sub_out_1" in entry["clip_fp16"]["tensors"]
-    assert main(["verify", str(tmp_path / "clipped"), "--precision", "fp16"]) == 0
-    assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
+    # the whole graph (the tiny tower's default) and layer by layer (a released tower's)
+    for way in ([], ["--layerwise"]):
+        plain = ["verify", str(tmp_path / "plain"), *way]
+        assert main([*plain, "--precision", "fp16"]) == 1
+        text = capsys.readouterr().out
+        assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
+        assert "onnx: tensor 'sub_out_1' (Sub of " in text
+        assert main([*plain, "--precision", "bf16"]) == 0  # 3.4e38
+        capsys.readouterr()
+        assert main(["verify", str(tmp_path / "clipped"), *way, "--precision", "fp16"]) == 0
+        assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
 
 
 def _softmax_rows(scores, visible):

@@ -1,0 +1,232 @@
+"""`verify --precision` layer by layer: the device model at released sizes, in memory set by
+the largest layer (see `codegen.layerwise` for the cut into segments and `codegen.precision`
+for the device model and the report).
+
+Three passes over one specialization, each holding one layer's weights at a time:
+
+1. float32 `ref` (verify's layer-by-layer reference): the graph's outputs to compare with.
+2. The exported graph in the device's format, one segment at a time (`precision.device_graph`
+   of each glue run and each layer call, functions inlined, a rounding Cast pair after every
+   float tensor), on the values its own earlier segments made: each tensor's largest |x|, the
+   first tensor that turns non-finite (by ONNX name), each graph output's error to float32.
+3. `ref` in the device model (`ref.numerics.probe`) over the exported composition, with each
+   layer, each row-gathered table and the output head an opaque host call that reads its
+   weights from the shards and runs the same device model inside it: records named by module
+   path, as the whole-graph check names them.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from codegen import graphs
+from codegen import layerwise as lw
+from codegen.precision import device_graph, first_nonfinite_onnx, inline, layer_of
+from ref import numerics
+from ref.gemma4.step import Logits
+
+
+@dataclasses.dataclass
+class _Graph:
+    """What the passes share about one graph: its segments, the ONNX names of each layer
+    call's results and which values later segments read."""
+
+    spec: object
+    model: object
+    checkpoint: object
+    segments: list
+    last_use: dict
+    outputs: set
+
+    @property
+    def calls(self):
+        return [s for s in self.segments if s.layer is not None]
+
+    def call_names(self, k):
+        return list(self.calls[k].nodes[-1].output)
+
+    def released(self, k, made, arrays):
+        """`layerwise.released` for layer call k."""
+        at = self.segments.index(self.calls[k])
+        return lw.released(made, self.call_names(k), arrays, self.outputs, self.last_use, at)
+
+
+def _exact(g, feed):
+    """Pass 1: {graph output: float32 `ref` value}, layer by layer."""
+    spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
+    got, calls = {}, []
+
+    def hook(module, kind, slot, arrays):
+        k = len(calls)
+        calls.append(k)
+        params = lw._layer_weights(names, checkpoint, module)
+        made, out_map, tree = slot.results([*arrays, *params])
+        del params
+        slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
+        for n, v in zip(g.call_names(k), made, strict=True):
+            if n in g.outputs:
+                got[n] = np.asarray(v)
+        return slot.outputs(list(arrays), g.released(k, made, arrays))
+
+    shared = {n: jax.device_put(lw.aligned(x)) for n, x in feed.items()}
+    with (
+        graphs.layer_scope(),
+        graphs.layer_check(hook),
+        lw.nn.intercept_methods(lw._gather_rows(names, checkpoint)),
+        lw.nn.intercept_methods(lw._head_slices(spec.head, checkpoint)),
+    ):
+        want = spec.reference(shared, lw._weights(spec, checkpoint), **lw._kernel(spec))
+    return {t.name: got.get(t.name, want[t.name]) for t in spec.outputs}
+
+
+class _OnnxProbe:
+    """Pass 2's sink: the largest finite |x| and the first non-finite tensor over segments."""
+
+    def __init__(self, inline):
+        self.inline, self.peak, self.bad = inline, 0.0, None
+
+    def __call__(self, model, values, feed):
+        for v in values.values():
+            v = np.abs(v[np.isfinite(v)])
+            self.peak = max(self.peak, float(v.max(initial=0)))
+        if self.bad is not None:
+            return
+        producers = {o: n for n in self.inline(model).graph.node for o in n.output}
+        known = {n: np.asarray(x) for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}
+        self.bad = first_nonfinite_onnx({**known, **values}, list(values), producers)
+
+
+def _onnx_device(g, folder, feed, precision, exact, store):
+    """Pass 2: (peak |x|, first non-finite name or None, {output: relative error})."""
+    probe = _OnnxProbe(inline)
+    runner = lw.Runner(
+        g.model, folder, feed, g.spec.head, g.checkpoint,
+        rewrite=lambda m: device_graph(m, precision), probe=probe,
+    )  # fmt: skip
+    errors = {}
+    for name, value in runner.run_all():
+        errors[name] = lw.error(store(name, value), exact[name])[1]
+    return probe.peak, probe.bad, errors
+
+
+def _param_avals(names, checkpoint, module):
+    flat, tree = jax.tree_util.tree_flatten_with_path(module.variables["params"])
+    shapes = [
+        checkpoint.tensors[lw._checkpoint_name(names, module, [k.key for k in p])].shape
+        for p, _ in flat
+    ]
+    return [jax.ShapeDtypeStruct(tuple(s), jnp.float32) for s in shapes]
+
+
+def _prefixed(records, start, prefix):
+    """Records from `start` on named under `prefix` (a probe inside a host call names its
+    operations from the called module down)."""
+    for i in range(start, len(records)):
+        r = records[i]
+        records[i] = dataclasses.replace(r, name=".".join(p for p in (prefix, r.name) if p))
+
+
+def _ref_device(g, feed, precision, exact, store, log):
+    """Pass 3: ({output: relative error}, records)."""
+    spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
+    records, errors, calls = [], {}, []
+
+    def hook(module, kind, slot, arrays):
+        k = len(calls)
+        calls.append(k)
+        params = _param_avals(names, checkpoint, module)
+        found = {}
+
+        def results(*a):
+            distinct, found["map"], found["tree"] = slot.results(list(a))
+            return distinct
+
+        avals = [lw.aval(x.shape, x.dtype) for x in jax.eval_shape(results, *arrays, *params)]
+        slot = dataclasses.replace(slot, out_map=found["map"], out_tree=found["tree"])
+        path = ".".join(module.path)
+
+        def run(*concrete):
+            weights = lw._layer_weights(names, checkpoint, module)
+            start = len(records)
+            made, _ = numerics.probe(
+                lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
+                records=records,
+            )  # fmt: skip
+            del weights
+            _prefixed(records, start, path)
+            for n, v in zip(g.call_names(k), made, strict=True):
+                if n in g.outputs:
+                    errors[n] = lw.error(store(n, v), exact[n])[1]
+            log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
+            return g.released(k, made, concrete)
+
+        made = lw.host_call(run, avals, *arrays)
+        return slot.outputs(list(arrays), made)
+
+    args = [feed[t.name] for t in spec.inputs] + list(lw._weights(spec, checkpoint).values())
+    with (
+        graphs.layer_scope(),
+        graphs.layer_check(hook),
+        lw.nn.intercept_methods(lw._gather_rows(names, checkpoint)),
+        lw.nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
+    ):
+        out, _ = numerics.probe(spec.fn, precision, *args, records=records)
+    for t, v in zip(spec.outputs, out, strict=True):
+        errors.setdefault(t.name, lw.error(store(t.name, v), exact[t.name])[1])
+    return errors, [r for r in records if r.primitive != "host_call"]
+
+
+def _head_call(name, checkpoint, precision, records):
+    """`layerwise._head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
+    rows of the head at a time, recorded under "Logits"."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        mine = isinstance(module, Logits) and context.method_name == "__call__"
+        if not mine or args[1].size:
+            return next_fun(*args, **kwargs)
+        table = checkpoint.read(name)
+        hidden = args[0]
+
+        def run(x):
+            parts = []
+            for a in range(0, table.shape[0], lw.VOCAB_ROWS):
+                rows = np.asarray(table[a : a + lw.VOCAB_ROWS], np.float32)
+                start = len(records)
+                fn = Logits(cap=module.cap).apply
+                parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])
+                _prefixed(records, start, "Logits")
+            return [jnp.concatenate(parts, axis=-1)]
+
+        (got,) = lw.host_call(run, [lw.aval((*hidden.shape[:-1], table.shape[0]))], hidden)
+        return got
+
+    return interceptor
+
+
+def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log):
+    """One specialization of `verify --precision` layer by layer → (layers [(layer, max
+    |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
+    or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
+    stored as `kv`); kv: the KV storage format or None."""
+    segs, last_use = lw.segments(model)
+    g = _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
+    retained = {b for _, b in spec.retained}
+
+    def store(name, x):
+        return numerics.store(x, kv) if kv is not None and name in retained else x
+
+    log(f"  {spec.name}: float32 reference")
+    exact = _exact(g, feed)
+    log(f"  {spec.name}: onnx in {precision}")
+    onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store)
+    ref_err, records = _ref_device(g, feed, precision, exact, store, log)
+    layers = {}
+    for r in records:
+        key = layer_of(r.name)
+        layers[key] = max(layers.get(key, 0.0), r.max_abs)
+    errors = [(t.name, ref_err[t.name], onnx_err[t.name]) for t in spec.outputs]
+    bad = next((r for r in records if r.nonfinite), None)
+    return list(layers.items()), onnx_max, bad, onnx_bad, errors
