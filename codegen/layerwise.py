@@ -31,6 +31,7 @@ from jax.extend import core
 from onnx import helper
 
 from codegen import graphs
+from codegen.external import WeightError, onnx_dtype
 from ref.attention import reference
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
@@ -337,22 +338,28 @@ class Runner:
                 if self.last_use.get(n, -1) > at:
                     self.values[n] = v
 
-    def layer(self, call, kind, arrays, n_weights, made):
-        """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its `n_weights`
-        weights → (its inputs as onnxruntime's glue made them, or None where `ref`'s carry
-        on, and its results on `ref`'s inputs); then `ref`'s results `made` carry on."""
+    def layer(self, call, kind, arrays, weights, made):
+        """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its weights
+        [(checkpoint name, float32 array)] → (its inputs as onnxruntime's glue made them, or
+        None where `ref`'s carry on, and its results on `ref`'s inputs); then `ref`'s results
+        `made` carry on. A weight the graph reads from the very bytes `ref` read is fed
+        `ref`'s array (`bound_weights`), so the layer's weights are held once."""
         self.glue_until(call)
         seg = self.segments[self.next]
         node = seg.nodes[-1]
         args = list(node.input)[: len(arrays)]
-        if (node.op_type, len(node.input)) != (kind, len(arrays) + n_weights):
+        if (node.op_type, len(node.input)) != (kind, len(arrays) + len(weights)):
             raise LayerwiseError(
                 f"layer call {call} is {node.op_type} with {len(node.input)} inputs; `ref` "
-                f"called {kind} with {len(arrays)} arrays and {n_weights} weights"
+                f"called {kind} with {len(arrays)} arrays and {len(weights)} weights"
             )
         glue = {n: self.values[n] for n in args if n in self.values}
         feed = dict(self.values)
         feed.update({n: np.asarray(a) for n, a in zip(args, arrays, strict=True)})
+        if self.checkpoint is not None:
+            seg, bound = bound_weights(seg, len(arrays), weights, self.inits, self.folder,
+                                       self.checkpoint.tensors)  # fmt: skip
+            feed.update(bound)
         got = self._run(seg, feed)
         ours = [got[o] for o in node.output]
         for n, v in zip(node.output, made, strict=True):
@@ -378,6 +385,57 @@ def released(made, names, arrays, outputs, last_use, at):
         if same:
             out[i] = same[0]
     return tuple(out)
+
+
+def _same_bytes(tensor, info, folder):
+    """True when initializer `tensor` is external data at exactly checkpoint tensor `info`'s
+    bytes (same file, offset, length, element type and shape)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return False
+    where = {e.key: e.value for e in tensor.external_data}
+    try:
+        place = os.path.realpath(os.path.join(folder, where["location"]))
+        span = (int(where.get("offset", 0)), int(where["length"]))
+        kind = onnx_dtype(info)
+    except (KeyError, ValueError, WeightError):
+        return False
+    return (
+        place == os.path.realpath(info.file)
+        and span == (info.offset, info.nbytes)
+        and (tensor.data_type, tuple(tensor.dims)) == (kind, tuple(info.shape))
+    )
+
+
+def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
+    """(the layer call segment `seg` with each weight input the graph reads from the bytes of
+    the checkpoint tensor `ref` read for it — the initializer itself if float32, or its Cast
+    to float32 — made a segment input; {that input: `ref`'s float32 array}). The values are
+    the same (a widening cast is exact); a weight bound to any other bytes keeps the graph's
+    own initializer, so onnxruntime computes with what the graph holds."""
+    node = seg.nodes[-1]
+    made_by = {o: n for n in seg.nodes[:-1] for o in n.output}
+    dropped, bound = set(), {}
+    for x, (name, array) in zip(node.input[n_arrays:], weights, strict=True):
+        source, cast = x, made_by.get(x)
+        if cast is not None:
+            to = next((a.i for a in cast.attribute if a.name == "to"), None)
+            if cast.op_type != "Cast" or to != onnx.TensorProto.FLOAT or len(cast.input) != 1:
+                continue
+            source = cast.input[0]
+        elif inits.get(x) is None or inits[x].data_type != onnx.TensorProto.FLOAT:
+            continue
+        info = tensors.get(name)
+        if source in inits and info is not None and _same_bytes(inits[source], info, folder):
+            bound[x] = np.asarray(array)
+            dropped.add(id(cast))
+    if not bound:
+        return seg, {}
+    nodes = [n for n in seg.nodes if id(n) not in dropped]
+    read = {i for n in nodes for i in n.input}
+    seg = dataclasses.replace(
+        seg, nodes=nodes, needs=[*seg.needs, *bound], weights=[w for w in seg.weights if w in read]
+    )
+    return seg, bound
 
 
 @dataclasses.dataclass
@@ -434,14 +492,18 @@ def _checkpoint_name(names, module, keys):
     return found[0]
 
 
+def _layer_names(names, module):
+    """The checkpoint names of the bound layer's parameters, in leaf order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(module.variables["params"])
+    return [_checkpoint_name(names, module, [k.key for k in path]) for path, _ in flat]
+
+
 def _layer_weights(names, checkpoint, module):
     """The bound layer's parameters read from the shards as float32, in leaf order."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(module.variables["params"])
-    out = []
-    for path, _ in flat:
-        name = _checkpoint_name(names, module, [k.key for k in path])
-        out.append(jnp.asarray(checkpoint.read(name, mapped=False), jnp.float32))
-    return out
+    return [
+        jnp.asarray(checkpoint.read(n, mapped=False), jnp.float32)
+        for n in _layer_names(names, module)
+    ]
 
 
 _HOST = core.Primitive("host_call")
@@ -555,16 +617,15 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     def check(module, kind, slot, arrays):
         k = len(calls)
         params = _layer_weights(names, checkpoint, module)
-        n_params = len(params)
         made, out_map, tree = slot.results([*arrays, *params])
-        # `ref`'s float32 layer weights go before onnxruntime loads its own copy
-        jax.block_until_ready(made)
-        del params
         if any(src == "in" and j >= len(arrays) for src, j in out_map):
             raise LayerwiseError(f"layer {k} ({kind}) returns one of its weights")
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         where = f"layer {k} ({kind})"
-        glue, ours = runner.layer(k, kind, arrays, n_params, made)
+        weights = list(zip(_layer_names(names, module), params, strict=True))
+        del params
+        glue, ours = runner.layer(k, kind, arrays, weights, made)
+        del weights
         for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
             if g is not None:
                 worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")

@@ -105,12 +105,42 @@ def copy(out, tmp_path):
     return folder
 
 
+def _spy_bound(monkeypatch):
+    """The checkpoint names of the weights each layer call was fed from `ref` (bound)."""
+    from codegen import layerwise
+
+    calls, plain = [], layerwise.bound_weights
+
+    def spy(seg, n_arrays, weights, *rest):
+        seg2, bound = plain(seg, n_arrays, weights, *rest)
+        inputs = seg.nodes[-1].input[n_arrays:]
+        names = {x: n for x, (n, _) in zip(inputs, weights, strict=True)}
+        made_by = {o: n for n in seg.nodes[:-1] for o in n.output}
+        calls.append(
+            (
+                {names[x] for x in bound},
+                {n for x, n in names.items() if x not in bound},
+                {made_by[x].input[0] if x in made_by else x for x in inputs},
+            )
+        )
+        return seg2, bound
+
+    monkeypatch.setattr(layerwise, "bound_weights", spy)
+    return calls
+
+
 @pytest.mark.parametrize("graph", LAYERED)
-def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph):
+def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph, monkeypatch):
     model = onnx.load(copy / f"{graph}.onnx", load_external_data=False)
     target, source = _same_shape_pair(model, DOWN_PROJ.get(graph, "mlp.down_proj.weight"))
     _rebind(copy, graph, target.name, source.name)
+    calls = _spy_bound(monkeypatch)
     rows = verify(copy, seed=3, check_shards=False, layerwise_given=True, graphs=[graph])
+    # every weight read from `ref`'s bytes is fed `ref`'s array; the rebound one is not
+    assert calls and all(not kept or kept == {target.name} for _, kept, _ in calls), calls
+    assert sum(target.name in inits for *_, inits in calls) >= 1
+    assert all(target.name not in bound for bound, *_ in calls)
+    monkeypatch.undo()
     bad = _bad(rows)
     assert bad and {r[0] for r in rows} == {graph}, rows
     layer = f"layer {_layer_of(target.name)} "
