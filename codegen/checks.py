@@ -140,7 +140,7 @@ def ref_shapes(spec, symbols, weight_shapes):
     args = abstract_inputs(spec, symbols) + [
         jax.ShapeDtypeStruct(weight_shapes[n], "float32") for n in spec.weights
     ]
-    with layer_scope():
+    with layer_scope(once=True):
         out = jax.eval_shape(spec.fn, *args)
     return {t.name: tuple(o.shape) for t, o in zip(spec.outputs, out, strict=True)}
 
@@ -154,9 +154,11 @@ def _dims(value, symbols=None):
     )
 
 
-def inferred_shapes(model, spec, weight_shapes):
+def inferred_shapes(model, spec, weight_shapes, known=None):
     """At every specialization, each output's shape as the graph declares it, as ONNX shape
-    inference derives it, and as the spec declares it all equal what `ref` gives."""
+    inference derives it, and as the spec declares it all equal what `ref` gives. known:
+    {specialization name: {output name: shape}} `ref` was already traced for (see
+    `no_unclamped_dynamic_slice`)."""
     declared_by_graph = {o.name: o for o in model.graph.output}
     for s in spec.specializations:
         symbols = s["symbols"]
@@ -167,7 +169,7 @@ def inferred_shapes(model, spec, weight_shapes):
         except onnx.shape_inference.InferenceError as e:
             raise CheckError(f"{spec.name} at {s['name']}: shape inference failed: {e}") from e
         got = {o.name: _dims(o) for o in inferred.graph.output}
-        want = ref_shapes(spec, symbols, weight_shapes)
+        want = (known or {}).get(s["name"]) or ref_shapes(spec, symbols, weight_shapes)
         for t in spec.outputs:
             shapes = {
                 "graph declares": _dims(declared_by_graph[t.name], symbols),
@@ -185,9 +187,11 @@ def inferred_shapes(model, spec, weight_shapes):
 _SLICES = ("dynamic_slice", "dynamic_update_slice")
 
 
-def _dynamic_slices(jaxpr):
+def _dynamic_slices(jaxpr, seen=None):
     """(eqn) of each dynamic_slice / dynamic_update_slice whose start depends on an input of
-    its jaxpr (a sub-jaxpr's inputs all count as run-time values)."""
+    its jaxpr (a sub-jaxpr's inputs all count as run-time values, so a sub-jaxpr that many
+    equations share, a jitted layer or block function, is looked at once)."""
+    seen = set() if seen is None else seen
     dynamic = set(jaxpr.invars) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, Literal)]
@@ -201,20 +205,22 @@ def _dynamic_slices(jaxpr):
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _dynamic_slices(inner)
+                if hasattr(inner, "eqns") and id(inner) not in seen:
+                    seen.add(id(inner))
+                    yield from _dynamic_slices(inner, seen)
 
 
 def no_unclamped_dynamic_slice(spec, weight_shapes):
     """Refuse a `dynamic_slice`/`dynamic_update_slice` whose start is computed at run time
-    (a start folded from constants is fine)."""
+    (a start folded from constants is fine). → {output name: shape} at the first
+    specialization, which this trace of `ref` gives as `ref_shapes` would."""
     from codegen.graphs import layer_scope
 
     symbols = spec.specializations[0]["symbols"]
     args = abstract_inputs(spec, symbols) + [
         jax.ShapeDtypeStruct(weight_shapes[n], "float32") for n in spec.weights
     ]
-    with layer_scope():
+    with layer_scope(once=True):
         closed = jax.make_jaxpr(spec.fn)(*args)
     for eqn in _dynamic_slices(closed.jaxpr):
         where = source_info_util.summarize(eqn.source_info)
@@ -222,3 +228,4 @@ def no_unclamped_dynamic_slice(spec, weight_shapes):
             f"{spec.name}: {eqn.primitive.name} with a run-time start at {where}: "
             "jax2onnx does not clamp it as JAX does; use a static slice or a gather"
         )
+    return {t.name: tuple(a.shape) for t, a in zip(spec.outputs, closed.out_avals, strict=True)}

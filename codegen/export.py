@@ -7,7 +7,9 @@ folder is itself a checkpoint `verify` can reopen. It is built in a temporary si
 renamed into place: a failed export leaves nothing behind.
 """
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -209,7 +211,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
     """Trace, bind weights, write and check one graph; returns its manifest entry."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     t0 = time.perf_counter()
-    checks.no_unclamped_dynamic_slice(spec, shapes)
+    first = {spec.specializations[0]["name"]: checks.no_unclamped_dynamic_slice(spec, shapes)}
     model = trace(spec, checkpoint.tensors)
     traced = time.perf_counter() - t0
     weight_spec = None
@@ -227,7 +229,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
     checks.checker(model)
     checks.external_paths(model, folder)
     checks.allowed_ops(model)
-    checks.inferred_shapes(model, spec, shapes)
+    checks.inferred_shapes(model, spec, shapes, known=first)
     checked = time.perf_counter() - t1
     _atomic_text(
         os.path.join(folder, f"{spec.name}.specializations.json"),
@@ -322,9 +324,28 @@ def retained_layout(entries):
     return None
 
 
+@contextlib.contextmanager
+def _fewer_collections():
+    """Python's cyclic garbage collector at larger thresholds while exporting: tracing makes
+    millions of objects (jaxpr equations, ONNX IR values), and at the default (700, 10, 10) a
+    full collection rescans all of them every ~70,000 allocations (measured, E2B at
+    QEfficient's production blocking: 20.0 s -> 13.1 s of export, same peak RSS)."""
+    old = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 20)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def export(opts, log=None):
     """Write the export folder `opts.out`; returns the manifest dict. Raises ExportError,
     CheckpointError, GraphError (bad input) or CheckError (a graph failed a check)."""
+    with _fewer_collections():
+        return _export(opts, log)
+
+
+def _export(opts, log):
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     opts.validate()
     out = _prepare_out(opts.out, opts.force)

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import jax
+import numpy as np
 import onnx_ir as ir
 from jax import export as jax_export
 from jax2onnx import to_onnx
@@ -136,6 +137,29 @@ def _producers_by_identity():
             m._producer_node = fn
 
 
+def _numpy_tensor(tensor):
+    """`onnx_ir.tensor` with a fast path for a numpy array: `ir.Tensor(value, ...)`, which is
+    what `tensor` returns for one after three `isinstance` checks against runtime Protocols
+    (Python 3.11 collects a Protocol's members again at each check: ~1 s of an E2B export)."""
+
+    def fast(value, dtype=None, name=None, doc_string=None):
+        if type(value) is np.ndarray:
+            return ir.Tensor(value, dtype=dtype, name=name, doc_string=doc_string)
+        return tensor(value, dtype=dtype, name=name, doc_string=doc_string)
+
+    return fast
+
+
+@contextlib.contextmanager
+def _fast_numpy_tensors():
+    old = ir.tensor
+    ir.tensor = _numpy_tensor(old)
+    try:
+        yield
+    finally:
+        ir.tensor = old
+
+
 def trace(spec, tensors):
     """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
     first = spec.specializations[0]["symbols"]
@@ -152,6 +176,7 @@ def trace(spec, tensors):
         _shared_symbolic_scope(),
         _newest_first_connectivity(),
         _producers_by_identity(),
+        _fast_numpy_tensors(),
     ):
         model = to_onnx(
             spec.fn,

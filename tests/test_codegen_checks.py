@@ -6,6 +6,7 @@ configs and shapes."""
 import json
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +110,61 @@ def test_dynamic_slice_guard(traced_start):
             checks.no_unclamped_dynamic_slice(spec, {"w": (2,)})
     else:
         checks.no_unclamped_dynamic_slice(spec, {"w": (2,)})
+
+
+class _Slicer(nn.Module):
+    """A layer reading x at a traced start: what the guard must find inside a layer function."""
+
+    scale: float
+
+    @nn.compact
+    def __call__(self, x, i):
+        w = self.param("weight", nn.initializers.ones, (2,))
+        return x.at[:2].add(jax.lax.dynamic_slice(x, (i[0],), (2,)) * w * self.scale)
+
+
+class _Slicers(nn.Module):
+    scale: float
+
+    @nn.compact
+    def __call__(self, x, i):
+        return _Slicer(self.scale, name="1")(_Slicer(self.scale, name="0")(x, i), i)
+
+
+def test_dynamic_slice_guard_sees_into_layer_functions():
+    """The checks trace each layer kind once per scope (`layer_scope(once=True)`: one jitted
+    function its layers share, as their ONNX function is one, and not a trace from an earlier
+    scope); the guard still finds a run-time start inside it, and the output shapes it hands on
+    are `ref_shapes`'."""
+    scale = {"value": 2.5}
+
+    def fn(x, i, w0, w1):
+        route = graphs.route_layers(_Slicer, True, lambda module: "Slicer")
+        params = {"0": {"weight": w0}, "1": {"weight": w1}}
+        with nn.intercept_methods(route):
+            return (_Slicers(scale["value"]).apply({"params": params}, x, i),)
+
+    spec = _spec(
+        fn,
+        (graphs.Tensor("x", (6,), "float32"), graphs.Tensor("i", (1,), "int32")),
+        (graphs.Tensor("out", (6,), "float32"),),
+        ["w0", "w1"],
+        ({"name": "s", "symbols": {}},),
+    )
+    shapes = {"w0": (2,), "w1": (2,)}
+    weights = [jax.ShapeDtypeStruct((2,), "float32")] * 2
+    with graphs.layer_scope(once=True):  # a new outer function: make_jaxpr caches by function
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*checks.abstract_inputs(spec, {}), *weights)
+    layers = [e.params["jaxpr"] for e in closed.jaxpr.eqns if "jaxpr" in e.params]
+    assert len(layers) == 2 and layers[0] is layers[1]  # traced once, called twice
+    assert "2.5" in str(layers[0])
+    scale["value"] = 3.5  # same shapes, another layer body: traced again in a new scope
+    with graphs.layer_scope(once=True):  # a new outer function: make_jaxpr caches by function
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*checks.abstract_inputs(spec, {}), *weights)
+    assert "3.5" in str(closed) and "2.5" not in str(closed)
+    assert checks.ref_shapes(spec, {}, shapes) == {"out": (6,)}
+    with pytest.raises(checks.CheckError, match="dynamic_slice with a run-time start"):
+        checks.no_unclamped_dynamic_slice(spec, shapes)
 
 
 def _model(nodes, functions=()):
