@@ -79,9 +79,18 @@ def _connected_newest_first(ctx, value):
     initializer or the output of any node so far (by identity or name), scanning the nodes from
     the first: quadratic in the graph's size, and most of a trace's time (measured: 8.6 M name
     reads for a tiny model's three graphs). The value is almost always the output of a node
-    just added, so the same `any` over the nodes newest first ends at once."""
+    just added, so the same `any` over the nodes newest first ends at once. A value the graph
+    owns (a node's output, an input, an initializer: onnx_ir records its graph) is connected at
+    once; the scan is for the rest (a constant's value bound once per cache with
+    --full-batch-size went through every node)."""
     match = output_binding._value_matches_reference
     builder = ctx.builder
+    graph = builder.nodes
+    producer = value.producer()
+    if producer is not None and producer.graph is graph:
+        return True
+    if (value.is_graph_input() or value.is_initializer()) and value.graph is graph:
+        return True
     return (
         any(match(out, value) for node in reversed(builder.nodes) for out in node.outputs)
         or any(match(x, value) for x in builder.inputs)
@@ -124,17 +133,40 @@ def _producer_by_identity(nodes, value_or_name):
     return None
 
 
+def _consumers_by_identity(original):
+    """jax2onnx's `optimizer_graph_utils._consumer_nodes` with the same answer, without building
+    a set of every node's id at each call (its Cast pass asks once per Cast: ~1 s of a 31B
+    --full-batch-size export): a consumer counts when it is one of `nodes` (`in` on the list is
+    the identity test, at C speed); else, as there, its name-based scan."""
+
+    def consumers(nodes, value_or_name):
+        if isinstance(value_or_name, ir.Value) and isinstance(nodes, list):
+            found = value_or_name.consumers()
+            if found and all(isinstance(c, ir.Node) for c in found):
+                mine = [c for c in found if c in nodes]
+                if mine:
+                    return mine
+        return original(nodes, value_or_name)
+
+    return consumers
+
+
 @contextlib.contextmanager
 def _producers_by_identity():
     modules = (optimizer_graph_utils, ir_optimizations, conv_transpose_bias_folding)
     old = [m._producer_node for m in modules]
+    old_consumers = optimizer_graph_utils._consumer_nodes
     for m in modules:
         m._producer_node = _producer_by_identity
+    for m in modules[:2]:
+        m._consumer_nodes = _consumers_by_identity(old_consumers)
     try:
         yield
     finally:
         for m, fn in zip(modules, old, strict=True):
             m._producer_node = fn
+        for m in modules[:2]:
+            m._consumer_nodes = old_consumers
 
 
 def _numpy_tensor(tensor):
