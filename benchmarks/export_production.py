@@ -13,9 +13,10 @@ process each,
         [--full-batch-size 4] [--no-sliding-ring]
 
 and reports per export: wall s and peak RSS of the child (`os.wait4`, as export_weight_free
-measures them), bytes copied and the .onnx files' size (manifest), and per graph its trace
-seconds and node count as top-level nodes + the nodes inside its ONNX functions (the decoder
-layers).
+measures them), its CPU s (user + system, `RUSAGE_CHILDREN` around it; wall s well above it
+means the host was busy: the table's header line gives the load average), bytes copied and the
+.onnx files' size (manifest), and per graph its trace seconds and node count as top-level
+nodes + the nodes inside its ONNX functions (the decoder layers).
 
 Goal per export (issue 23): < 30 s whole process, < 1.5 GB peak RSS, 0 bytes copied. The
 children run under a 6 GB address-space limit (`RLIMIT_AS`, 4x the RSS goal; an export needs
@@ -31,6 +32,7 @@ Exit status 0 when every export ran and met the goal.
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import sys
@@ -74,8 +76,12 @@ def bench(name, root, variant, extra, keep):
     slug = variant.replace(" ", "").replace(",", "-")
     out, log = root / name / f"export-{slug}", root / name / f"export-{slug}.log"
     args = argparse.Namespace(seq_len=SEQ_LEN, ctx_len=CTX_LEN)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     code, wall, rss = run_export(model, out, args, log, (*PRODUCTION, *extra, "--force"))
-    result = dict(model=name, variant=variant, code=code, wall=wall, rss=rss, problems=[])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    result = dict(model=name, variant=variant, code=code, wall=wall, cpu=cpu, rss=rss)
+    result["problems"] = []
     if code != 0:
         result["problems"].append(f"export exited {code}; output tail:\n{tail(log)}")
         return result
@@ -100,12 +106,13 @@ def passed(r):
 def table(results):
     """Markdown: one row per export; per graph `trace s · top + in functions` nodes."""
     names = list(dict.fromkeys(g for r in results for g in r.get("graphs", {})))
-    head = ["model", "variant", "wall s", "peak RSS MB", "bytes copied", "ONNX MB"]
+    head = ["model", "variant", "wall s", "CPU s", "peak RSS MB", "bytes copied", "ONNX MB"]
     head += [f"{g}: trace s, nodes top + in functions" for g in names] + ["goal"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         graphs = r.get("graphs", {})
-        cells = [r["model"], r["variant"], f"{r['wall']:.1f}", f"{r['rss'] / 1e6:.0f}"]
+        cells = [r["model"], r["variant"], f"{r['wall']:.1f}", f"{r['cpu']:.1f}"]
+        cells.append(f"{r['rss'] / 1e6:.0f}")
         cells.append(str(r["copied"]) if r["code"] == 0 else "-")
         cells.append(f"{r['onnx_mb']:.2f}" if r["code"] == 0 else "-")
         for g in names:
@@ -160,7 +167,8 @@ def main():
             shutil.rmtree(root, ignore_errors=True)
     print(
         f"seq_len {SEQ_LEN}, ctx_len {CTX_LEN}, budgets 280,1120, prefill "
-        f"{PRODUCTION[1]}, decode {PRODUCTION[3]}; wall s = whole export process"
+        f"{PRODUCTION[1]}, decode {PRODUCTION[3]}; wall s = whole export process; "
+        f"load average {os.getloadavg()[0]:.1f} at the end"
     )
     print(table(results))
     print(f"goal per export: < {GOAL_S:.0f} s, < {GOAL_RSS / 1e9:.1f} GB peak RSS, 0 bytes copied")
