@@ -23,7 +23,14 @@ import numpy as np
 
 from codegen import graphs
 from codegen import layerwise as lw
-from codegen.precision import device_graph, first_nonfinite_onnx, inline, layer_of
+from codegen.precision import (
+    device_graph,
+    first_nonfinite_onnx,
+    inline,
+    layer_of,
+    stats_of,
+    stats_of_arrays,
+)
 from ref import numerics
 from ref.gemma4.step import Logits
 
@@ -84,23 +91,26 @@ def _exact(g, feed):
 class _OnnxProbe:
     """Pass 2's sink: the largest finite |x| and the first non-finite tensor over segments."""
 
-    def __init__(self, inline):
-        self.inline, self.peak, self.bad = inline, 0.0, None
+    def __init__(self, log):
+        self.peak, self.bad, self.log, self.runs = 0.0, None, log, 0
 
-    def __call__(self, model, values, feed):
-        for v in values.values():
-            v = np.abs(v[np.isfinite(v)])
-            self.peak = max(self.peak, float(v.max(initial=0)))
+    def __call__(self, model, names, got, feed):
+        self.runs += 1
+        if model.functions:
+            self.log(f"onnx run {self.runs} (a layer call) done")
+        stats = stats_of(got, names)
+        self.peak = max([self.peak, *(st[0] for st in stats.values())])
         if self.bad is not None:
             return
-        producers = {o: n for n in self.inline(model).graph.node for o in n.output}
-        known = {n: np.asarray(x) for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}
-        self.bad = first_nonfinite_onnx({**known, **values}, list(values), producers)
+        producers = {o: n for n in inline(model).graph.node for o in n.output}
+        floats = {n: x for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}
+        known = {**stats_of_arrays(floats), **stats}
+        self.bad = first_nonfinite_onnx(known, names, producers)
 
 
-def _onnx_device(g, folder, feed, precision, exact, store):
+def _onnx_device(g, folder, feed, precision, exact, store, log):
     """Pass 2: (peak |x|, first non-finite name or None, {output: relative error})."""
-    probe = _OnnxProbe(inline)
+    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
     runner = lw.Runner(
         g.model, folder, feed, g.spec.head, g.checkpoint,
         rewrite=lambda m: device_graph(m, precision), probe=probe,
@@ -221,7 +231,7 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
     log(f"  {spec.name}: float32 reference")
     exact = _exact(g, feed)
     log(f"  {spec.name}: onnx in {precision}")
-    onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store)
+    onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store, log)
     ref_err, records = _ref_device(g, feed, precision, exact, store, log)
     layers = {}
     for r in records:

@@ -247,9 +247,9 @@ class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
     def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None):
-        """rewrite(segment ModelProto) → (ModelProto, names): each segment run as rewritten,
-        with `names` (its probed tensors) as extra outputs handed to probe(segment ModelProto,
-        {name: value}, the segment's feed) (`verify --precision`)."""
+        """rewrite(segment ModelProto) → (ModelProto, probed names, extra outputs): each
+        segment run as rewritten, its extra outputs handed to probe(segment ModelProto, probed
+        names, {extra output: value}, the segment's feed) (`verify --precision`)."""
         self.model, self.folder = model, folder
         self.head, self.checkpoint = head, checkpoint
         self.rewrite, self.probe = rewrite, probe
@@ -280,9 +280,9 @@ class Runner:
         )
         path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
         if self.rewrite is None:
-            return _Probed(session_at(m, path), m, (), None)
-        rewritten, probed = self.rewrite(onnx.ModelProto.FromString(m.SerializeToString()))
-        return _Probed(session_at(rewritten, path), m, probed, self.probe)
+            return _Probed(session_at(m, path), m)
+        rewritten, *probed = self.rewrite(onnx.ModelProto.FromString(m.SerializeToString()))
+        return _Probed(session_at(rewritten, path), m, *probed, self.probe)
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them; a glue segment that projects
@@ -440,19 +440,20 @@ def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
 
 @dataclasses.dataclass
 class _Probed:
-    """A segment's session whose run also hands its probed tensors to `probe`."""
+    """A segment's session whose run also hands its extra outputs to `probe`."""
 
     session: object
     model: object
-    probed: tuple
-    probe: object
+    names: tuple = ()
+    extra: tuple = ()
+    probe: object = None
 
     def run(self, names, feed):
-        if not self.probed:
+        if not self.extra:
             return self.session.run(names, feed)
-        wanted = list(dict.fromkeys([*names, *self.probed]))
+        wanted = [*names, *self.extra]
         got = dict(zip(wanted, self.session.run(wanted, feed), strict=True))
-        self.probe(self.model, {n: got[n] for n in self.probed}, feed)
+        self.probe(self.model, self.names, {n: got[n] for n in self.extra}, feed)
         return [got[n] for n in names]
 
 
@@ -498,12 +499,19 @@ def _layer_names(names, module):
     return [_checkpoint_name(names, module, [k.key for k in path]) for path, _ in flat]
 
 
-def _layer_weights(names, checkpoint, module):
-    """The bound layer's parameters read from the shards as float32, in leaf order."""
+def _layer_arrays(names, checkpoint, module):
+    """The bound layer's parameters read from the shards as float32 numpy arrays, in leaf
+    order, each `aligned` (so `jax.device_put` shares it: one copy serves `ref` and
+    onnxruntime; `np.asarray` of a jax array would copy)."""
     return [
-        jnp.asarray(checkpoint.read(n, mapped=False), jnp.float32)
+        aligned(checkpoint.read(n, mapped=False), dtype=np.float32)
         for n in _layer_names(names, module)
     ]
+
+
+def _layer_weights(names, checkpoint, module):
+    """The bound layer's parameters read from the shards as float32 jax arrays."""
+    return [jax.device_put(a) for a in _layer_arrays(names, checkpoint, module)]
 
 
 _HOST = core.Primitive("host_call")
@@ -587,16 +595,18 @@ def _kernel(spec):
     return {"attention": sliced_reference} if spec.kind in ("prefill", "decode") else {}
 
 
-def aligned(x, align=64):
-    """x in a buffer aligned to `align` bytes, which `jax.device_put` on CPU uses in place
-    instead of copying (numpy's large arrays start 16 bytes into a page; `jnp.asarray` always
-    copies): the sample's caches, read by both sides, are then held once."""
-    x = np.ascontiguousarray(x)
-    if x.ctypes.data % align == 0:
+def aligned(x, align=64, dtype=None):
+    """x (as `dtype`, default its own) in a buffer aligned to `align` bytes, which
+    `jax.device_put` on CPU uses in place instead of copying (numpy's large arrays start 16
+    bytes into a page; `jnp.asarray` always copies): the sample's caches, read by both sides,
+    are then held once. A conversion writes straight into the aligned buffer."""
+    x = np.asarray(x)
+    dtype = x.dtype if dtype is None else np.dtype(dtype)
+    if x.dtype == dtype and x.flags.c_contiguous and x.ctypes.data % align == 0:
         return x
-    buf = np.empty(x.nbytes + align, np.uint8)
+    buf = np.empty(x.size * dtype.itemsize + align, np.uint8)
     start = -buf.ctypes.data % align
-    out = buf[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out = buf[start : start + x.size * dtype.itemsize].view(dtype).reshape(x.shape)
     out[...] = x
     return out
 
@@ -616,14 +626,15 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
 
     def check(module, kind, slot, arrays):
         k = len(calls)
-        params = _layer_weights(names, checkpoint, module)
+        host = _layer_arrays(names, checkpoint, module)
+        params = [jax.device_put(a) for a in host]
         made, out_map, tree = slot.results([*arrays, *params])
         if any(src == "in" and j >= len(arrays) for src, j in out_map):
             raise LayerwiseError(f"layer {k} ({kind}) returns one of its weights")
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         where = f"layer {k} ({kind})"
-        weights = list(zip(_layer_names(names, module), params, strict=True))
-        del params
+        weights = list(zip(_layer_names(names, module), host, strict=True))
+        del params, host
         glue, ours = runner.layer(k, kind, arrays, weights, made)
         del weights
         for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):

@@ -77,11 +77,41 @@ def inline(model):
     return onnx.inliner.inline_local_functions(model)
 
 
+STATS = ("peak", "nan", "bad")  # per probed tensor: max finite |x|, any NaN, any non-finite
+
+
+def _stat_nodes(name):
+    """Nodes making `name/peak` (its largest finite |x|, 0 when none), `name/nan` and
+    `name/bad` (1.0 when any element is NaN / non-finite, else 0.0): float scalars, so a
+    probed tensor is read as three numbers, not held (a zero is appended: empty tensors
+    reduce too)."""
+
+    def node(op, inputs, out, **attrs):
+        ins = [i if i.startswith("stats/") or i == name else f"{name}/{i}" for i in inputs]
+        return helper.make_node(op, ins, [f"{name}/{out}"], name=f"{name}/{out}", **attrs)
+
+    return [
+        node("Reshape", [name, "stats/flat"], "flat"),
+        node("Concat", ["flat", "stats/zero"], "padded", axis=0),
+        node("IsNaN", ["padded"], "isnan"),
+        node("IsInf", ["padded"], "isinf"),
+        node("Or", ["isnan", "isinf"], "isbad"),
+        node("Abs", ["padded"], "abs"),
+        node("Where", ["isbad", "stats/zero", "abs"], "finite"),
+        node("ReduceMax", ["finite"], "peak", keepdims=0),
+        node("Cast", ["isnan"], "nanf", to=TensorProto.FLOAT),
+        node("ReduceMax", ["nanf"], "nan", keepdims=0),
+        node("Cast", ["isbad"], "badf", to=TensorProto.FLOAT),
+        node("ReduceMax", ["badf"], "bad", keepdims=0),
+    ]
+
+
 def device_graph(model, precision):
     """The exported graph as the device computes it: functions inlined, every float32 input
-    and node result rounded to `precision` by a Cast pair, every rounded tensor an output.
-    model: an onnx ModelProto (external data not loaded) → (ModelProto, probed tensor names
-    in node order)."""
+    and node result rounded to `precision` by a Cast pair, and three scalar outputs per
+    rounded node result (`_stat_nodes`: `name/peak`, `name/nan`, `name/bad`). model: an onnx
+    ModelProto (external data not loaded) → (ModelProto, probed tensor names in node
+    order, the names of their scalar outputs)."""
     model = inline(model)
     inputs, made = _float_tensors(model)
     to = _ONNX_TYPES[precision]
@@ -102,30 +132,56 @@ def device_graph(model, precision):
     ordered = [c for name in inputs for c in rounding[name]]
     for node in nodes:
         ordered.append(node)
-        ordered += [c for o in node.output if o.endswith("/exact") for c in rounding[o[:-6]]]
+        for o in node.output:
+            if o.endswith("/exact"):
+                ordered += rounding[o[:-6]] + _stat_nodes(o[:-6])
     del graph.node[:]
     graph.node.extend(ordered)
-    outputs = {o.name for o in graph.output}
-    for name in made:
-        if name not in outputs:
-            graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
-    return model, made
+    graph.initializer.extend(
+        [
+            helper.make_tensor("stats/flat", TensorProto.INT64, [1], [-1]),
+            helper.make_tensor("stats/zero", TensorProto.FLOAT, [1], [0.0]),
+        ]
+    )
+    outputs = [f"{n}/{stat}" for n in made for stat in STATS]
+    graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, []) for o in outputs)
+    return model, made, outputs
+
+
+def stats_of(got, names):
+    """{name: (largest finite |x|, any NaN, all finite)} from a device graph's scalar
+    outputs `got` ({output name: value})."""
+    return {
+        n: (float(got[f"{n}/peak"]), bool(got[f"{n}/nan"]), not bool(got[f"{n}/bad"]))
+        for n in names
+    }
+
+
+def stats_of_arrays(values):
+    """`stats_of` computed from arrays ({name: float array})."""
+    out = {}
+    for n, v in values.items():
+        v = np.asarray(v, np.float32)
+        ok = np.isfinite(v)
+        out[n] = (float(np.abs(v[ok]).max(initial=0)), bool(np.isnan(v).any()), bool(ok.all()))
+    return out
 
 
 def _device_session(entry, folder, precision):
     """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
     rewritten file sits in the folder (its external data paths are relative) while loading."""
     model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
-    model, names = device_graph(model, precision)
+    model, names, _ = device_graph(model, precision)
     path = os.path.join(folder, f".precision.{entry['name']}.onnx")
     return session_at(model, path), names
 
 
-def first_nonfinite_onnx(values, names, producers):
+def first_nonfinite_onnx(stats, names, producers):
     """The first probed tensor (node order) that turned non-finite — NaN anywhere, or inf made
-    from finite inputs — as "name (Op of input, …)", or None. values: {name: array};
-    producers: {name: the node that makes it}."""
-    finite = {n: bool(np.isfinite(v).all()) for n, v in values.items()}
+    from finite inputs — as "name (Op of input, …)", or None. stats: {name: (peak, any NaN,
+    all finite)} (`stats_of`; inputs may be among them); producers: {name: the node that
+    makes it}."""
+    finite = {n: st[2] for n, st in stats.items()}
     readers = {}
     for node in {id(n): n for n in producers.values()}.values():
         for i in node.input:
@@ -135,9 +191,10 @@ def first_nonfinite_onnx(values, names, producers):
         # an inf read only by Clips (`export --clip-fp16`) is clamped before it spreads; a
         # Constant beyond the range (a float32 mask fill) is an input, as ref's literals are
         clamped = readers.get(name) and set(readers[name]) == {"Clip"}
-        if node.op_type == "Constant" and not np.isnan(values[name]).any():
+        nan = stats[name][1]
+        if node.op_type == "Constant" and not nan:
             continue
-        if np.isnan(values[name]).any() or (
+        if nan or (
             not finite[name] and not clamped and all(finite.get(i, True) for i in node.input)
         ):
             return f"{name!r} ({node.op_type} of {', '.join(repr(i) for i in node.input)})"
@@ -238,16 +295,14 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
         for r in records:
             key = layer_of(r.name)
             layers[key] = max(layers.get(key, 0.0), r.max_abs)
-        probed = {n: got[n] for n in names}
+        stats = stats_of(got, names)
         yield (
             s,
             {
                 "layers": list(layers.items()),
-                "onnx_max": max(
-                    float(np.max(np.abs(v[np.isfinite(v)]), initial=0)) for v in probed.values()
-                ),
+                "onnx_max": max((st[0] for st in stats.values()), default=0.0),
                 "ref_nonfinite": next((r for r in records if r.nonfinite), None),
-                "onnx_nonfinite": first_nonfinite_onnx(probed, names, producers),
+                "onnx_nonfinite": first_nonfinite_onnx(stats, names, producers),
                 "errors": errors,
             },
         )

@@ -75,6 +75,7 @@ def test_mxint8_matches_the_spec_block_by_block(values):
 
 @settings(max_examples=examples(20), deadline=None)
 @given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=32, max_size=32))
+@example([9.68e-41] + [0.0] * 31)  # an all-subnormal block: decodes to 0 (a draw found it)
 def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
     x = np.asarray(values, np.float32)
     amax = float(np.max(np.abs(x)))
@@ -84,7 +85,10 @@ def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
         return
     step = 2.0 ** (math.floor(math.log2(amax)) - 6)
     unclamped = np.abs(x) <= 127 * step
-    assert np.all(np.abs(got - x)[unclamped] <= step / 2)
+    near = np.abs(got - x) <= step / 2
+    # a decoded value below float32's normal range reads as 0 (XLA:CPU flushes subnormals)
+    flushed = (got == 0) & (np.abs(x) < 2.0**-126 + step / 2)
+    assert np.all((near | flushed)[unclamped])
     assert np.all(np.abs(got) <= 127 * step)
 
 
