@@ -210,7 +210,9 @@ def _stored_arrays(model):
     """(name, bytes) of every array an ONNX model holds in itself: initializers without
     external data and Constant nodes, in the graph and in its functions."""
     graphs = [model.graph.node] + [f.node for f in model.functions]
-    consts = [a.t for nodes in graphs for n in nodes if n.op_type == "Constant" for a in n.attribute]
+    consts = [
+        a.t for nodes in graphs for n in nodes if n.op_type == "Constant" for a in n.attribute
+    ]
     inits = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
     return [(t.name, numpy_helper.to_array(t).nbytes) for t in inits + consts if t.dims]
 

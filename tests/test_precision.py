@@ -208,8 +208,9 @@ def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_
         text = capsys.readouterr().out
         assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
         assert "onnx: tensor 'sub_out_1' (Sub of " in text
-        assert main([*plain, "--precision", "bf16"]) == 0  # 3.4e38
-        capsys.readouterr()
+        if not way:
+            assert main([*plain, "--precision", "bf16"]) == 0  # 3.4e38
+            capsys.readouterr()
         assert main(["verify", str(tmp_path / "clipped"), *way, "--precision", "fp16"]) == 0
         assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
 
