@@ -235,6 +235,9 @@ def session_at(model, path):
     # result and a serialized copy of it at once (31B layer: +4.2 GB → +3.1 GB, and faster);
     # unfolded, each Cast runs when the graph reaches it
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # no arena: each run's tensors go back when freed (an arena grows by doubling and keeps
+    # its chunks for the session's life)
+    opts.enable_cpu_mem_arena = False
     try:
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
