@@ -77,14 +77,7 @@ def _exact(g, feed):
                 got[n] = np.asarray(v)
         return slot.outputs(list(arrays), g.released(k, made, arrays))
 
-    shared = {n: jax.device_put(lw.aligned(x)) for n, x in feed.items()}
-    with (
-        graphs.layer_scope(),
-        graphs.layer_check(hook),
-        lw.nn.intercept_methods(lw._gather_rows(names, checkpoint)),
-        lw.nn.intercept_methods(lw._head_slices(spec.head, checkpoint)),
-    ):
-        want = spec.reference(shared, lw._weights(spec, checkpoint), **lw._kernel(spec))
+    want = lw.layered_reference(spec, checkpoint, feed, hook)
     return {t.name: got.get(t.name, want[t.name]) for t in spec.outputs}
 
 
@@ -122,12 +115,10 @@ def _onnx_device(g, folder, feed, precision, exact, store, log):
 
 
 def _param_avals(names, checkpoint, module):
-    flat, tree = jax.tree_util.tree_flatten_with_path(module.variables["params"])
-    shapes = [
-        checkpoint.tensors[lw._checkpoint_name(names, module, [k.key for k in p])].shape
-        for p, _ in flat
+    return [
+        jax.ShapeDtypeStruct(tuple(checkpoint.tensors[n].shape), jnp.float32)
+        for n in lw._layer_names(names, module)
     ]
-    return [jax.ShapeDtypeStruct(tuple(s), jnp.float32) for s in shapes]
 
 
 def _prefixed(records, start, prefix):

@@ -614,15 +614,28 @@ def aligned(x, align=64, dtype=None):
     return out
 
 
+def layered_reference(spec, checkpoint, feed, hook):
+    """`spec.reference` on `feed` ({name: aligned array}, shared with `ref`, not copied) with
+    the deferred weights (`_weights`) and each layer call handed to
+    hook(module, kind, slot, arrays) (`graphs.layer_check`); tables gathered by rows, the
+    head by vocabulary slices, attention by query slices."""
+    shared = {n: jax.device_put(aligned(x)) for n, x in feed.items()}
+    with (
+        graphs.layer_scope(),
+        graphs.layer_check(hook),
+        nn.intercept_methods(_gather_rows(spec.weights, checkpoint)),
+        nn.intercept_methods(_head_slices(spec.head, checkpoint)),
+    ):
+        return spec.reference(shared, _weights(spec, checkpoint), **_kernel(spec))
+
+
 def verify_specialization(spec, model, folder, checkpoint, feed, log):
     """Rows (output, max abs err, rel err, where, ok) of the graph `model` (`spec`'s export)
     on the inputs `feed`, checked layer by layer; log(line) reports each layer."""
     for name in list(feed):
         feed[name] = aligned(feed.pop(name))
-    shared = {n: jax.device_put(x) for n, x in feed.items()}  # the same bytes as `feed`
     runner = Runner(model, folder, feed, spec.head, checkpoint)
     worst = Worst()
-    weights = _weights(spec, checkpoint)
     names = spec.weights
     calls = []
     started = time.perf_counter()
@@ -651,14 +664,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         log(f"  {spec.name}: {where} checked, {time.perf_counter() - started:.1f} s")
         return slot.outputs(list(arrays), runner.released(k, named, made, arrays))
 
-    with (
-        graphs.layer_scope(),
-        graphs.layer_check(check),
-        nn.intercept_methods(_gather_rows(names, checkpoint)),
-        nn.intercept_methods(_head_slices(spec.head, checkpoint)),
-    ):
-        want = spec.reference(shared, weights, **_kernel(spec))
-    del shared
+    want = layered_reference(spec, checkpoint, feed, check)
     runner.glue_until(None)
     for t in spec.outputs:
         if t.name in runner.made and t.name not in worst.rows:
