@@ -88,18 +88,78 @@ class Tensor:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
 
 
+def aligned_empty(shape, dtype, align=64):
+    """An uninitialised array in a buffer aligned to `align` bytes: `jax.device_put` on CPU
+    uses such a buffer in place instead of copying it (numpy's large arrays start 16 bytes
+    into a page)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(size + align, np.uint8)
+    start = -buf.ctypes.data % align
+    return buf[start : start + size].view(dtype).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """A sample input drawn only when read (`value`): standard normal float32 of `shape` from
+    the generator seeded with `seed`, then `then(x)` if given (a storage format). A KV cache
+    at QEfficient's production context (65,536 slots, 1 GiB per 31B full layer as float32) is
+    drawn when its layer is reached, so a layer-by-layer check holds one layer's cache at a
+    time; every reader gets the same values."""
+
+    shape: tuple
+    seed: tuple
+    then: Callable | None = None
+    dtype = np.dtype(np.float32)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def value(self):
+        """The drawn array (a fresh, aligned one each call)."""
+        out = aligned_empty(self.shape, self.dtype)
+        np.random.default_rng(self.seed).standard_normal(out=out, dtype=self.dtype)
+        return out if self.then is None else np.asarray(self.then(out), self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """Stands in for a result already compared and let go (a layer's new cache that no later
+    step reads): shape and dtype only; reading it is an error."""
+
+    shape: tuple
+    dtype: np.dtype
+
+    def value(self):
+        raise GraphError(f"a released result {self.shape} was read again")
+
+
+def drawn(x):
+    """x, or its value when it is `Drawn` (a `Released` result raises)."""
+    return x.value() if isinstance(x, (Drawn, Released)) else x
+
+
+def drawn_feed(feed):
+    """The sample `feed` with every `Drawn` input drawn."""
+    return {n: drawn(x) for n, x in feed.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphSpec:
     """One exported graph.
 
     fn(*inputs, *weights) → tuple of outputs (traced by jax2onnx with abstract weights);
     reference(inputs, weights) → dict of outputs (dicts keyed by name, numpy arrays);
-    sample(symbols, rng) → dict of random inputs for one specialization. static: the symbols
+    sample(symbols, rng) → dict of random inputs for one specialization (large ones may be
+    `Drawn`, drawn when read: `drawn_feed` draws them all). static: the symbols
     bound at trace time to the first specialization's values (block bounds are compile-time),
     the graph's I/O then labelled with them; the other symbols stay symbolic in the trace.
     gathered: weights the reference reads only by row gathers (`ref.layers.Embedding`), so a
     layer-by-layer check may read them row by row. head: the weight the logits project onto
     (`ref.gemma4.step.Logits`), which such a check reads a slice of the vocabulary at a time.
+    lazy: inputs the composition reads only as layer arguments, so such a check draws each
+    (`Drawn`) when its layer is reached; every other `Drawn` input is drawn before it runs.
     """
 
     name: str
@@ -116,6 +176,7 @@ class GraphSpec:
     static: tuple = ()
     gathered: tuple = ()
     head: str | None = None
+    lazy: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +251,7 @@ def layer_function(name):
 
 
 def _is_array(leaf):
-    return isinstance(leaf, (jax.Array, np.ndarray))
+    return isinstance(leaf, (jax.Array, np.ndarray, Drawn))
 
 
 def route_layers(layer_type, use_functions, kind):

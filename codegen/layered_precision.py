@@ -16,6 +16,8 @@ Three passes over one specialization, each holding one layer's weights at a time
 """
 
 import dataclasses
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,8 @@ from codegen.precision import (
 )
 from ref import numerics
 from ref.gemma4.step import Logits
+
+SPILL_BYTES = 64 << 20  # a float32 reference output above this waits on disk, not in memory
 
 
 @dataclasses.dataclass
@@ -54,28 +58,41 @@ class _Graph:
     def call_names(self, k):
         return list(self.calls[k].nodes[-1].output)
 
-    def released(self, k, made, arrays):
+    def released(self, k, made):
         """`layerwise.released` for layer call k."""
         at = self.segments.index(self.calls[k])
-        return lw.released(made, self.call_names(k), arrays, self.outputs, self.last_use, at)
+        return lw.released(made, self.call_names(k), self.outputs, self.last_use, at)
 
 
-def _exact(g, feed):
-    """Pass 1: {graph output: float32 `ref` value}, layer by layer."""
+def _kept(x, spill):
+    """x as a numpy array; one over SPILL_BYTES written to a file in the folder `spill` and
+    mapped back (the layer outputs the later passes compare with are not all held)."""
+    x = np.asarray(x)
+    if x.nbytes <= SPILL_BYTES:
+        return x
+    path = os.path.join(spill, f"{len(os.listdir(spill))}.npy")
+    np.save(path, x)
+    return np.load(path, mmap_mode="r")
+
+
+def _exact(g, feed, spill):
+    """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones `_kept` in
+    the folder `spill`)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     got, calls = {}, []
 
     def hook(module, kind, slot, arrays):
         k = len(calls)
         calls.append(k)
+        arrays = [jax.device_put(graphs.drawn(a)) for a in arrays]
         params = lw._layer_weights(names, checkpoint, module)
         made, out_map, tree = slot.results([*arrays, *params])
         del params
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         for n, v in zip(g.call_names(k), made, strict=True):
             if n in g.outputs:
-                got[n] = np.asarray(v)
-        return slot.outputs(list(arrays), g.released(k, made, arrays))
+                got[n] = _kept(v, spill)
+        return slot.outputs(arrays, g.released(k, made))
 
     want = lw.layered_reference(spec, checkpoint, feed, hook)
     return {t.name: got.get(t.name, want[t.name]) for t in spec.outputs}
@@ -137,6 +154,7 @@ def _ref_device(g, feed, precision, exact, store, log):
     def hook(module, kind, slot, arrays):
         k = len(calls)
         calls.append(k)
+        arrays = [_drawn_here(a) for a in arrays]
         params = _param_avals(names, checkpoint, module)
         found = {}
 
@@ -161,22 +179,40 @@ def _ref_device(g, feed, precision, exact, store, log):
                 if n in g.outputs:
                     errors[n] = lw.error(store(n, v), exact[n])[1]
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
-            return g.released(k, made, concrete)
+            return g.released(k, made)
 
         made = lw.host_call(run, avals, *arrays)
         return slot.outputs(list(arrays), made)
 
-    args = [feed[t.name] for t in spec.inputs] + list(lw._weights(spec, checkpoint).values())
+    args = [feed[t.name] if t.name in spec.lazy else graphs.drawn(feed[t.name])
+            for t in spec.inputs]  # fmt: skip
+    args += lw._weights(spec, checkpoint).values()
+    lazy = {j: a for j, a in enumerate(args) if isinstance(a, graphs.Drawn)}
+
+    def fn(*given):  # the `Drawn` inputs reach their layers as they are, not traced
+        it = iter(given)
+        return spec.fn(*(lazy[j] if j in lazy else next(it) for j in range(len(args))))
+
     with (
         graphs.layer_scope(),
         graphs.layer_check(hook),
         lw.nn.intercept_methods(lw._gather_rows(names, checkpoint)),
         lw.nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
     ):
-        out, _ = numerics.probe(spec.fn, precision, *args, records=records)
+        given = [a for j, a in enumerate(args) if j not in lazy]
+        out, _ = numerics.probe(fn, precision, *given, records=records)
     for t, v in zip(spec.outputs, out, strict=True):
-        errors.setdefault(t.name, lw.error(store(t.name, v), exact[t.name])[1])
-    return errors, [r for r in records if r.primitive != "host_call"]
+        if t.name not in errors:
+            errors[t.name] = lw.error(store(t.name, v), exact[t.name])[1]
+    return errors, records
+
+
+def _drawn_here(x):
+    """A `graphs.Drawn` layer argument as a host call that draws it, evaluated just before
+    the layer that reads it; any other argument as it is."""
+    if not isinstance(x, graphs.Drawn):
+        return x
+    return lw.host_call(lambda: [x.value()], [lw.aval(x.shape, x.dtype)])[0]
 
 
 def _head_call(name, checkpoint, precision, records):
@@ -219,11 +255,14 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
     def store(name, x):
         return numerics.store(x, kv) if kv is not None and name in retained else x
 
-    log(f"  {spec.name}: float32 reference")
-    exact = _exact(g, feed)
-    log(f"  {spec.name}: onnx in {precision}")
-    onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store, log)
-    ref_err, records = _ref_device(g, feed, precision, exact, store, log)
+    with tempfile.TemporaryDirectory(prefix="precision.") as spill:
+        log(f"  {spec.name}: float32 reference")
+        exact = _exact(g, feed, spill)
+        log(f"  {spec.name}: onnx in {precision}")
+        onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
+                                                    log)  # fmt: skip
+        ref_err, records = _ref_device(g, feed, precision, exact, store, log)
+        del exact
     layers = {}
     for r in records:
         key = layer_of(r.name)

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 import onnxruntime as ort
-from jax.extend import core
 from onnx import helper
 
 from codegen import graphs
@@ -35,9 +34,11 @@ from codegen.external import WeightError, onnx_dtype
 from ref.attention import reference
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
+from ref.numerics import aval, host_call
 
 RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
 SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
+ERROR_CHUNK = 1 << 24  # elements compared at a time (a 1 GiB cache: 64 chunks of 128 MiB)
 VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 8 slices)
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
@@ -288,8 +289,10 @@ class Runner:
         return _Probed(session_at(rewritten, path), m, *probed, self.probe)
 
     def _outputs(self, seg, feed):
-        """The segment's `makes` as onnxruntime computes them; a glue segment that projects
-        onto the output head runs once per VOCAB_ROWS rows of it (`vocab_slices`)."""
+        """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
+        run); a glue segment that projects onto the output head runs once per VOCAB_ROWS rows
+        of it (`vocab_slices`)."""
+        feed = {n: graphs.drawn(feed[n]) for n in seg.needs}
         sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
         if sliced is None or self.checkpoint is None:
             session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed)
@@ -356,7 +359,7 @@ class Runner:
                 f"layer call {call} is {node.op_type} with {len(node.input)} inputs; `ref` "
                 f"called {kind} with {len(arrays)} arrays and {len(weights)} weights"
             )
-        glue = {n: self.values[n] for n in args if n in self.values}
+        glue = {n: self.values[n] for n in args if _made(self.values.get(n))}
         feed = dict(self.values)
         feed.update({n: np.asarray(a) for n, a in zip(args, arrays, strict=True)})
         if self.checkpoint is not None:
@@ -370,24 +373,25 @@ class Runner:
                 self.values[n] = np.asarray(v)
         return [glue.get(n) for n in args], ours
 
-    def released(self, call, names, made, arrays):
+    def released(self, call, names, made):
         """`released` for layer call `call`, onnxruntime's `names` of its results `made`."""
-        return released(made, names, arrays, self.outputs, self.last_use, self.calls[call])
+        return released(made, names, self.outputs, self.last_use, self.calls[call])
 
 
-def released(made, names, arrays, outputs, last_use, at):
+def _made(x):
+    """True for a value a segment made or was fed (not an input still to draw)."""
+    return x is not None and not isinstance(x, graphs.Drawn)
+
+
+def released(made, names, outputs, last_use, at):
     """`made` (a layer call's `ref` results; `names`: onnxruntime's for them, the call the
     segment at index `at`) with each graph output that no later segment reads, compared
-    already, replaced by an input array of its shape and dtype: a step's new caches are then
-    not all held until it ends."""
-    out = list(made)
-    for i, (n, v) in enumerate(zip(names, made, strict=True)):
-        if n not in outputs or last_use.get(n, -1) > at:
-            continue
-        same = [a for a in arrays if a.shape == v.shape and a.dtype == v.dtype]
-        if same:
-            out[i] = same[0]
-    return tuple(out)
+    already, replaced by a `graphs.Released` of its shape and dtype: a step's new caches are
+    then not all held until it ends."""
+    return tuple(
+        graphs.Released(v.shape, v.dtype) if n in outputs and last_use.get(n, -1) <= at else v
+        for n, v in zip(names, made, strict=True)
+    )
 
 
 def _same_bytes(tensor, info, folder):
@@ -460,15 +464,21 @@ class _Probed:
         return [got[n] for n in names]
 
 
-def error(got, want):
-    """(max abs error, relative error) of onnxruntime's `got` against `ref`'s `want`."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+def error(got, want, chunk=ERROR_CHUNK):
+    """(max abs error, relative error) of onnxruntime's `got` against `ref`'s `want`, in
+    float64 over `chunk` elements at a time (a NaN anywhere gives NaN)."""
+    got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         return float("inf"), float("inf")
     if not want.size:
         return 0.0, 0.0
-    err = float(np.max(np.abs(got - want)))
-    scale = float(np.max(np.abs(want)))
+    got, want = got.reshape(-1), want.reshape(-1)
+    err = scale = np.float64(0.0)
+    for a in range(0, want.size, chunk):
+        w = want[a : a + chunk].astype(np.float64)
+        err = np.maximum(err, np.max(np.abs(got[a : a + chunk].astype(np.float64) - w)))
+        scale = np.maximum(scale, np.max(np.abs(w)))
+    err, scale = float(err), float(scale)
     return err, err / scale if scale else err
 
 
@@ -515,23 +525,6 @@ def _layer_arrays(names, checkpoint, module):
 def _layer_weights(names, checkpoint, module):
     """The bound layer's parameters read from the shards as float32 jax arrays."""
     return [jax.device_put(a) for a in _layer_arrays(names, checkpoint, module)]
-
-
-_HOST = core.Primitive("host_call")
-_HOST.multiple_results = True
-_HOST.def_impl(lambda *args, fn, avals: fn(*args))
-_HOST.def_abstract_eval(lambda *args, fn, avals: avals)
-
-
-def host_call(fn, avals, *args):
-    """fn(*args) as one operation of a traced function → its results (a list): evaluated op
-    by op (`ref.numerics.probe`), fn is called with the arrays reached. avals: the results'
-    ShapedArrays (`aval`)."""
-    return _HOST.bind(*args, fn=fn, avals=tuple(avals))
-
-
-def aval(shape, dtype=jnp.float32):
-    return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
 
 
 def _gather_rows(names, checkpoint):
@@ -607,9 +600,7 @@ def aligned(x, align=64, dtype=None):
     dtype = x.dtype if dtype is None else np.dtype(dtype)
     if x.dtype == dtype and x.flags.c_contiguous and x.ctypes.data % align == 0:
         return x
-    buf = np.empty(x.size * dtype.itemsize + align, np.uint8)
-    start = -buf.ctypes.data % align
-    out = buf[start : start + x.size * dtype.itemsize].view(dtype).reshape(x.shape)
+    out = graphs.aligned_empty(x.shape, dtype, align)
     out[...] = x
     return out
 
@@ -619,7 +610,10 @@ def layered_reference(spec, checkpoint, feed, hook):
     the deferred weights (`_weights`) and each layer call handed to
     hook(module, kind, slot, arrays) (`graphs.layer_check`); tables gathered by rows, the
     head by vocabulary slices, attention by query slices."""
-    shared = {n: jax.device_put(aligned(x)) for n, x in feed.items()}
+    shared = {
+        n: x if n in spec.lazy else jax.device_put(aligned(graphs.drawn(x)))
+        for n, x in feed.items()
+    }
     with (
         graphs.layer_scope(),
         graphs.layer_check(hook),
@@ -633,7 +627,8 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     """Rows (output, max abs err, rel err, where, ok) of the graph `model` (`spec`'s export)
     on the inputs `feed`, checked layer by layer; log(line) reports each layer."""
     for name in list(feed):
-        feed[name] = aligned(feed.pop(name))
+        x = feed.pop(name)
+        feed[name] = x if isinstance(x, graphs.Drawn) else aligned(x)
     runner = Runner(model, folder, feed, spec.head, checkpoint)
     worst = Worst()
     names = spec.weights
@@ -642,6 +637,9 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
 
     def check(module, kind, slot, arrays):
         k = len(calls)
+        given = [graphs.drawn(a) for a in arrays]  # a `Drawn` cache: drawn for this layer
+        arrays = [jax.device_put(g) if isinstance(a, graphs.Drawn) else a
+                  for a, g in zip(arrays, given, strict=True)]  # fmt: skip
         host = _layer_arrays(names, checkpoint, module)
         params = [jax.device_put(a) for a in host]
         made, out_map, tree = slot.results([*arrays, *params])
@@ -651,8 +649,8 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         where = f"layer {k} ({kind})"
         weights = list(zip(_layer_names(names, module), host, strict=True))
         del params, host
-        glue, ours = runner.layer(k, kind, arrays, weights, made)
-        del weights
+        glue, ours = runner.layer(k, kind, given, weights, made)
+        del weights, given
         for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
             if g is not None:
                 worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")
@@ -662,7 +660,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
             worst.add(output, o, r, where)
         calls.append(k)
         log(f"  {spec.name}: {where} checked, {time.perf_counter() - started:.1f} s")
-        return slot.outputs(list(arrays), runner.released(k, named, made, arrays))
+        return slot.outputs(list(arrays), runner.released(k, named, made))
 
     want = layered_reference(spec, checkpoint, feed, check)
     runner.glue_until(None)

@@ -14,6 +14,7 @@ cannot prove: that QAIC keeps no op in another precision, or inputs unlike these
 with images.
 """
 
+import dataclasses
 import os
 import zlib
 from functools import partial
@@ -255,11 +256,15 @@ def _feeds(spec, seed, kv):
         rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
         feed = spec.sample(s["symbols"], rng)
         if kv is not None:
-            feed = {
-                k: np.asarray(numerics.store(v, kv)) if k in retained_in else v
-                for k, v in feed.items()
-            }
+            feed = {k: _stored(v, kv) if k in retained_in else v for k, v in feed.items()}
         yield s, feed
+
+
+def _stored(x, kv):
+    """x (an array or `graphs.Drawn`) as the KV cache stores it in format kv."""
+    if isinstance(x, graphs.Drawn):
+        return dataclasses.replace(x, then=partial(numerics.store, kv_format=kv))
+    return np.asarray(numerics.store(x, kv))
 
 
 def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
@@ -279,6 +284,7 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
     retained_out = {b for _, b in spec.retained}
     for s, feed in _feeds(spec, seed, kv):
+        feed = graphs.drawn_feed(feed)
         args = [feed[t.name] for t in spec.inputs] + weights
         with graphs.layer_scope():
             exact = jax.jit(spec.fn)(*args)

@@ -123,7 +123,7 @@ def _whole(spec, entry, folder, checkpoint, seed):
     weights = {n: checkpoint.read(n).astype(np.float32) for n in spec.weights}
     rows = []
     for s in spec.specializations:
-        feed = _sample(spec, s, seed)
+        feed = graphs.drawn_feed(_sample(spec, s, seed))
         with graphs.layer_scope():
             want = spec.reference(feed, weights)
         got = dict(

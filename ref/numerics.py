@@ -190,6 +190,27 @@ def module_path(name_stack):
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_HOST = core.Primitive("host_call")
+_HOST.multiple_results = True
+_HOST.def_impl(lambda *args, fn, avals: fn(*args))
+_HOST.def_abstract_eval(lambda *args, fn, avals: avals)
+
+
+def host_call(fn, avals, *args):
+    """fn(*args) as one operation of a traced function → its results (a list). Evaluated op
+    by op (`probe`), fn is called with the values reached; its array results are rounded to
+    the format but not recorded (fn probes its own work), and a result may be any other
+    object with a shape (one let go, one drawn later), passed on as it is. avals: the
+    results' ShapedArrays (`aval`)."""
+    return _HOST.bind(*args, fn=fn, avals=tuple(avals))
+
+
+def aval(shape, dtype=jnp.float32):
+    """The ShapedArray of a `host_call` result."""
+    return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
+
+
 def _is_float(x):
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
@@ -246,6 +267,11 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
         if body is not None:
             known = None if sink is None else [is_finite(v) for v in eqn.invars]
             outs = _eval(eqn.params[body], ins, precision, sink, path, known)
+        elif eqn.primitive is _HOST:
+            outs = [
+                round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
+                for o in eqn.params["fn"](*ins)
+            ]
         else:
             outs = eqn.primitive.bind(*ins, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]

@@ -13,8 +13,12 @@ import shutil
 import onnx
 import pytest
 
+from codegen import graphs
 from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
+from codegen.export import ExportOptions, export
+from codegen.graphs import text_config
+from codegen.model_graphs import cache_owners
 from codegen.verify import verify
 from weights import open_checkpoint
 
@@ -224,3 +228,91 @@ def test_precision_layer_by_layer_gives_the_whole_graph_report(out):
         for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
             assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
             assert 0 < max(a, b) < 3e-2 or o == "image_idx_output", (o, a, b)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The default model's prefill (blocked, no vision) and decode graphs without continuous
+    batching: each layer reads its caches only as layer arguments (`GraphSpec.lazy`)."""
+    model = default_checkpoint(tmp_path_factory.mktemp("cache1") / "default")
+    folder = tmp_path_factory.mktemp("exports") / "single"
+    opts = ExportOptions(
+        out=folder, model=model, budgets=(), seq_len=32, ctx_len=128, verify=False,
+        prefill_blocking=("qkv", {"prefill_block_chunks": 2, "num_kv_blocks": 2}),
+        hash_shards=False,
+    )  # fmt: skip
+    export(opts, log=lambda line: None)
+    return folder
+
+
+def _cache_draws(monkeypatch):
+    """Events [("draw", shape) or ("log", line)] of every `Drawn` input drawn, and a log."""
+    events, draw = [], graphs.Drawn.value
+
+    def spy(self):
+        events.append(("draw", self.shape))
+        return draw(self)
+
+    monkeypatch.setattr(graphs.Drawn, "value", spy)
+    return events, lambda line: events.append(("log", line))
+
+
+def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
+    """Without continuous batching every cache is drawn once, just before its layer: when
+    layer k is checked, exactly the caches of the cache-owning layers up to k have been drawn
+    (before: all drawn with the sample, 10 GiB of float32 for the 31B at ctx 65,536), and
+    the verdict is the whole graph's."""
+    events, log = _cache_draws(monkeypatch)
+    layered = verify(single, seed=6, layerwise_given=True, log=log)
+    owners = cache_owners(text_config(open_checkpoint(single).config))
+    starts = [j for j, e in enumerate(events) if e[0] == "log" and e[1].startswith("verify ")]
+    assert len(starts) == 2
+    for a, b in zip(starts, [*starts[1:], len(events)], strict=True):
+        drawn, checked = 0, []
+        for kind, what in events[a + 1 : b]:
+            if kind == "draw":
+                drawn += 1
+            else:
+                k = int(what.split(": layer ")[1].split(" ")[0])
+                assert drawn == 2 * sum(i <= k for i in owners), (events[a], what, drawn)
+                checked.append(k)
+        assert drawn == 2 * len(owners) and checked == sorted(checked) and checked
+    whole = verify(single, seed=6, layerwise_given=False)
+    assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
+    assert {r[:3] for r in whole} <= {r[:3] for r in layered}
+
+
+def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypatch):
+    """`verify --precision` layer by layer on the decode graph without continuous batching
+    (caches drawn inside the passes, the float32 outputs kept on disk past SPILL_BYTES) gives
+    the whole-graph report: same layers and peaks, errors within 1e-4."""
+    from codegen import layered_precision
+    from codegen.precision import verify_precision
+
+    monkeypatch.setattr(layered_precision, "SPILL_BYTES", 0)
+    events, log = _cache_draws(monkeypatch)
+    layered, whole = (
+        verify_precision(single, "fp16", kv_dtype="mxint8", seed=2, layerwise_given=given,
+                         graphs=["decode"], log=log)[0]
+        for given in (True, False)
+    )  # fmt: skip
+    owners = cache_owners(text_config(open_checkpoint(single).config))
+    # three passes draw each cache, the whole-graph check once more; the device model of
+    # `ref` (the last pass) draws a layer's caches as it reaches the layer
+    draws = [j for j, e in enumerate(events) if e[0] == "draw"]
+    assert len(draws) == 4 * 2 * len(owners)
+    last = events[draws[4 * len(owners)] : draws[6 * len(owners) - 1] + 2]
+    drawn = 0
+    for kind, what in last:
+        if kind == "draw":
+            drawn += 1
+        elif ": layer " in what:
+            k = int(what.split(": layer ")[1].split(" ")[0])
+            assert drawn == 2 * sum(i <= k for i in owners), (what, drawn, last)
+    assert (layered["way"], whole["way"]) == ("layer by layer", "whole graph")
+    assert dict(whole["layers"]).keys() == dict(layered["layers"]).keys()
+    peaks = dict(layered["layers"])
+    for name, a in whole["layers"]:
+        assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
+    for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
+        assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
