@@ -92,7 +92,9 @@ def _exact(g, feed, spill):
         for n, v in zip(g.call_names(k), made, strict=True):
             if n in g.outputs:
                 got[n] = _kept(v, spill)
-        return slot.outputs(arrays, g.released(k, made))
+        made = g.released(k, made)
+        lw.give_back()
+        return slot.outputs(arrays, made)
 
     want = lw.layered_reference(spec, checkpoint, feed, hook)
     return {t.name: got.get(t.name, want[t.name]) for t in spec.outputs}
@@ -179,7 +181,9 @@ def _ref_device(g, feed, precision, exact, store, log):
                 if n in g.outputs:
                     errors[n] = lw.error(store(n, v), exact[n])[1]
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
-            return g.released(k, made)
+            made = g.released(k, made)
+            lw.give_back()
+            return made
 
         made = lw.host_call(run, avals, *arrays)
         return slot.outputs(list(arrays), made)

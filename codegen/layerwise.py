@@ -16,6 +16,7 @@ The dense attention of `ref` runs one slice of queries at a time (`sliced_refere
 scores stay near `SCORE_BYTES` at any context length.
 """
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -42,6 +43,13 @@ ERROR_CHUNK = 1 << 24  # elements compared at a time (a 1 GiB cache: 64 chunks o
 VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 8 slices)
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    _LIBC = None
 
 
 class LayerwiseError(ValueError):
@@ -343,6 +351,8 @@ class Runner:
                     yield n, v
                 if self.last_use.get(n, -1) > at:
                     self.values[n] = v
+            if seg.layer is not None:
+                give_back()
 
     def layer(self, call, kind, arrays, weights, made):
         """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its weights
@@ -605,6 +615,14 @@ def aligned(x, align=64, dtype=None):
     return out
 
 
+def give_back():
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
+    nothing): a layer's buffers below glibc's mmap threshold are otherwise kept by the
+    process, and its resident size creeps up layer after layer."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def layered_reference(spec, checkpoint, feed, hook):
     """`spec.reference` on `feed` ({name: aligned array}, shared with `ref`, not copied) with
     the deferred weights (`_weights`) and each layer call handed to
@@ -659,6 +677,8 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
             output = n if n in runner.outputs else "layer outputs"
             worst.add(output, o, r, where)
         calls.append(k)
+        del ours, glue
+        give_back()
         log(f"  {spec.name}: {where} checked, {time.perf_counter() - started:.1f} s")
         return slot.outputs(list(arrays), runner.released(k, named, made))
 

@@ -234,3 +234,20 @@ def test_manifest_that_is_not_json_is_refused(exported, tmp_path, capsys):
     (folder / "manifest.json").write_text(json.dumps(["not", "a", "manifest"])[:-3])
     assert main(["verify", str(folder)]) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(bad=BAD_FLOATS, jax_array=st.booleans(), at=st.integers(0, 2**23 + 40))
+def test_a_bad_value_in_a_large_array_is_named(bad, jax_array, at):
+    """`ref.validate.finite` checks a large array without a copy of it (a jax array in one
+    fused reduction, a numpy array a chunk at a time) and still names its one bad value,
+    wherever it is (here past the first chunks)."""
+    from ref import validate
+
+    a = np.zeros((4, 2**21 + 10), np.float32)
+    a.reshape(-1)[at] = bad
+    x = jnp.asarray(a) if jax_array else a
+    i = np.unravel_index(at, a.shape)
+    with pytest.raises(ValueError, match=rf"^k\[{i[0]}, {i[1]}\] = .*: expected finite values"):
+        validate.finite("k", x)
+    validate.finite("k", jnp.zeros_like(x) if jax_array else np.zeros_like(a))
