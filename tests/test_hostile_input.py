@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import onnx
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from codegen.__main__ import main
@@ -237,7 +237,9 @@ def test_manifest_that_is_not_json_is_refused(exported, tmp_path, capsys):
 
 
 @settings(max_examples=examples(6), deadline=None)
-@given(bad=BAD_FLOATS, jax_array=st.booleans(), at=st.integers(0, 2**23 + 40))
+@given(bad=BAD_FLOATS, jax_array=st.booleans(), at=st.integers(0, 2**23 + 39))
+@example(bad=np.nan, jax_array=False, at=2**23 + 39)  # the last value, past the last chunk
+@example(bad=-np.inf, jax_array=True, at=2**23 + 39)
 def test_a_bad_value_in_a_large_array_is_named(bad, jax_array, at):
     """`ref.validate.finite` checks a large array without a copy of it (a jax array in one
     fused reduction, a numpy array a chunk at a time) and still names its one bad value,
