@@ -228,20 +228,19 @@ def _head_call(name, checkpoint, precision, records):
         mine = isinstance(module, Logits) and context.method_name == "__call__"
         if not mine or args[1].size:
             return next_fun(*args, **kwargs)
-        table = checkpoint.read(name)
+        vocab = checkpoint.tensors[name].shape[0]
         hidden = args[0]
 
         def run(x):
             parts = []
-            for a in range(0, table.shape[0], lw.VOCAB_ROWS):
-                rows = np.asarray(table[a : a + lw.VOCAB_ROWS], np.float32)
+            for rows in lw.head_rows(checkpoint, name):
                 start = len(records)
                 fn = Logits(cap=module.cap).apply
                 parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])
                 _prefixed(records, start, "Logits")
             return [jnp.concatenate(parts, axis=-1)]
 
-        (got,) = lw.host_call(run, [lw.aval((*hidden.shape[:-1], table.shape[0]))], hidden)
+        (got,) = lw.host_call(run, [lw.aval((*hidden.shape[:-1], vocab))], hidden)
         return got
 
     return interceptor

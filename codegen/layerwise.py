@@ -36,6 +36,7 @@ from ref.attention import reference
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
 from ref.numerics import aval, host_call
+from weights import read_block
 
 RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
 SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
@@ -309,10 +310,10 @@ class Runner:
         weights = [w for w in seg.weights if w != self.head]
         session = self._session(nodes, [*seg.needs, fed], seg.makes, weights,
                                 {**feed, fed: np.zeros(1, np.float32)})  # fmt: skip
-        table, parts = self.checkpoint.read(self.head), []
-        for a in range(0, table.shape[0], VOCAB_ROWS):
-            rows = np.asarray(table[a : a + VOCAB_ROWS], np.float32)
-            parts.append(session.run(seg.makes, {**{n: feed[n] for n in seg.needs}, fed: rows}))
+        parts = [
+            session.run(seg.makes, {**{n: feed[n] for n in seg.needs}, fed: rows})
+            for rows in head_rows(self.checkpoint, self.head)
+        ]
         return [
             np.concatenate([p[k] for p in parts], axis=-1) if n in derived else parts[0][k]
             for k, n in enumerate(seg.makes)
@@ -563,6 +564,16 @@ def _gather_rows(names, checkpoint):
     return interceptor
 
 
+def head_rows(checkpoint, name):
+    """Checkpoint tensor `name`'s rows, VOCAB_ROWS at a time, as float32 arrays, each read
+    from the shard alone (`weights.blocks.read_block`): no page of the table stays mapped,
+    where a mapped read of the 31B's 2.8 GB head kept every touched page in the process's
+    resident memory until the end."""
+    info = checkpoint.tensors[name]
+    for a in range(0, info.shape[0], VOCAB_ROWS):
+        yield np.asarray(read_block(info, (slice(a, a + VOCAB_ROWS),)), np.float32)
+
+
 def _head_slices(name, checkpoint):
     """An interceptor computing `ref.gemma4.step.Logits` with its weight left out: the module
     itself on VOCAB_ROWS rows of the checkpoint's `name` at a time, joined along the vocab."""
@@ -571,11 +582,7 @@ def _head_slices(name, checkpoint):
         mine = isinstance(context.module, Logits) and context.method_name == "__call__"
         if not mine or args[1].size:
             return next_fun(*args, **kwargs)
-        table = checkpoint.read(name)
-        parts = [
-            next_fun(args[0], jnp.asarray(table[a : a + VOCAB_ROWS], jnp.float32))
-            for a in range(0, table.shape[0], VOCAB_ROWS)
-        ]
+        parts = [next_fun(args[0], jnp.asarray(rows)) for rows in head_rows(checkpoint, name)]
         return jnp.concatenate(parts, axis=-1)
 
     return interceptor
