@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
+from ref import validate
+
 FORMATS = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 KV_FORMATS = (*FORMATS, "mxint8")
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -229,7 +231,7 @@ def _last_uses(jaxpr):
 
 
 def _all_finite(x):
-    return not _is_float(x) or bool(np.isfinite(np.asarray(x, np.float32)).all())
+    return not _is_float(x) or validate.all_finite(x)
 
 
 def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):

@@ -23,15 +23,15 @@ def _first(bad):
 
 
 @jax.jit
-def _all_finite(x):
+def _finite_reduced(x):
     return jnp.isfinite(x).all()
 
 
-def _finite_fast(x):
+def all_finite(x):
     """True when array x is all finite, found without a host copy or a mask of x's size (a
     large jax array: one fused reduction; else CHUNK values at a time); False when not."""
     if isinstance(x, jax.Array) and x.size > CHUNK:
-        return bool(_all_finite(x))
+        return bool(_finite_reduced(x))
     flat = np.asarray(x).reshape(-1)
     return all(np.isfinite(flat[a : a + CHUNK]).all() for a in range(0, flat.size, CHUNK))
 
@@ -42,7 +42,7 @@ def finite(name, x):
         return
     if not hasattr(x, "dtype"):
         x = np.asarray(x)
-    if np.dtype(x.dtype).kind not in "fc" or _finite_fast(x):
+    if np.dtype(x.dtype).kind not in "fc" or all_finite(x):
         return
     a = np.asarray(x)
     bad = ~np.isfinite(a)
