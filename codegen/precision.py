@@ -158,16 +158,6 @@ def stats_of(got, names):
     }
 
 
-def stats_of_arrays(values):
-    """`stats_of` computed from arrays ({name: float array})."""
-    out = {}
-    for n, v in values.items():
-        v = np.asarray(v, np.float32)
-        ok = np.isfinite(v)
-        out[n] = (float(np.abs(v[ok]).max(initial=0)), bool(np.isnan(v).any()), bool(ok.all()))
-    return out
-
-
 def _device_session(entry, folder, precision):
     """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
     rewritten file sits in the folder (its external data paths are relative) while loading."""
