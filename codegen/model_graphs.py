@@ -310,8 +310,9 @@ def model_graph(
         static=tuple(base),
         gathered=_gathered(prefix, names),
         head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
-        # continuous batching reads every slot's rows before the layers
-        lazy=tuple(t.name for t in cache_in) if full_batch_size is None else (),
+        # a layer's cache is read by that layer only (with continuous batching too: each
+        # layer takes and puts back its slots' rows, `ref.gemma4.kv_cache.slot_writes`)
+        lazy=tuple(t.name for t in cache_in),
     )
 
 

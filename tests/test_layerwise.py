@@ -47,8 +47,14 @@ def _bad(rows):
 
 
 def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
+    """...with continuous batching (3 slots) too, each cache drawn when its layer is reached:
+    each layer takes and puts back its slots' rows (before, the step took every slot's rows
+    before the first layer, so all caches were drawn up front)."""
     whole = verify(out, seed=2, layerwise_given=False)
-    layered = verify(out, seed=2, layerwise_given=True)
+    events, log = _cache_draws(monkeypatch)
+    layered = verify(out, seed=2, layerwise_given=True, log=log)
+    monkeypatch.undo()
+    _drawn_at_their_layers(events, cache_owners(text_config(open_checkpoint(out).config)))
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
     assert {r[:3] for r in whole} <= {r[:3] for r in layered}
     for g, _, o, _, _, where, _ in layered:
@@ -257,16 +263,12 @@ def _cache_draws(monkeypatch):
     return events, lambda line: events.append(("log", line))
 
 
-def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
-    """Without continuous batching every cache is drawn once, just before its layer: when
-    layer k is checked, exactly the caches of the cache-owning layers up to k have been drawn
-    (before: all drawn with the sample, 10 GiB of float32 for the 31B at ctx 65,536), and
-    the verdict is the whole graph's."""
-    events, log = _cache_draws(monkeypatch)
-    layered = verify(single, seed=6, layerwise_given=True, log=log)
-    owners = cache_owners(text_config(open_checkpoint(single).config))
+def _drawn_at_their_layers(events, owners):
+    """In the prefill and decode checks of a `verify` log (`_cache_draws`), every cache is
+    drawn once, and when layer k is checked exactly those of the owners ≤ k have been."""
     starts = [j for j, e in enumerate(events) if e[0] == "log" and e[1].startswith("verify ")]
-    assert len(starts) == 2
+    language = [j for j in starts if events[j][1].split()[1].rstrip(":") in ("prefill", "decode")]
+    assert len(language) == 2, [events[j] for j in starts]
     for a, b in zip(starts, [*starts[1:], len(events)], strict=True):
         drawn, checked = 0, []
         for kind, what in events[a + 1 : b]:
@@ -274,9 +276,22 @@ def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
                 drawn += 1
             else:
                 k = int(what.split(": layer ")[1].split(" ")[0])
-                assert drawn == 2 * sum(i <= k for i in owners), (events[a], what, drawn)
+                assert a not in language or drawn == 2 * sum(i <= k for i in owners), (
+                    events[a], what, drawn,
+                )  # fmt: skip
                 checked.append(k)
-        assert drawn == 2 * len(owners) and checked == sorted(checked) and checked
+        want = 2 * len(owners) if a in language else 0
+        assert drawn == want and checked == sorted(checked) and checked, (events[a], drawn)
+
+
+def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
+    """Without continuous batching every cache is drawn once, just before its layer: when
+    layer k is checked, exactly the caches of the cache-owning layers up to k have been drawn
+    (before: all drawn with the sample, 10 GiB of float32 for the 31B at ctx 65,536), and
+    the verdict is the whole graph's."""
+    events, log = _cache_draws(monkeypatch)
+    layered = verify(single, seed=6, layerwise_given=True, log=log)
+    _drawn_at_their_layers(events, cache_owners(text_config(open_checkpoint(single).config)))
     whole = verify(single, seed=6, layerwise_given=False)
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
     assert {r[:3] for r in whole} <= {r[:3] for r in layered}

@@ -12,9 +12,11 @@ from jax.tree_util import Partial
 
 from ref.cache import (
     causal_positions,
+    put_rows,
     rolling_slots,
     scatter,
     scatter_positions,
+    take_rows,
     update,
     window_keys,
 )
@@ -138,3 +140,17 @@ def ring_memory(cache, positions, groups, window):
             ring_group=scatter_positions(ring_group, groups, slots),
         )
     return cache, seen, Partial(_ring_write, ring_pos, positions, slots)
+
+
+def _slot_write(slots, write, kv, k, v):
+    stored, attended = write(take_rows(kv, slots), k, v)
+    return put_rows(kv, stored, slots), attended
+
+
+def slot_writes(writes, slots):
+    """Continuous batching: each write policy of `writes` ({kind: write}) over a layer's whole
+    cache (F slots): it takes the step's rows `slots` [B] int (−1 = none), writes them as
+    `write` does, and puts them back (−1 writes nothing) → {kind: write(kv [F, ...], k, v) →
+    (stored [F, ...], attended as `write` gives it)}. A layer's cache is so read only by the
+    layer itself, where a layer-by-layer check draws it."""
+    return {kind: Partial(_slot_write, slots, w) for kind, w in writes.items()}

@@ -100,15 +100,21 @@ def apply_step(
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
     """
     slots = None if batch_index is None else batch_index[:, 0]
-    full = cache
+    # continuous batching: the slots' records are taken here, their keys and values by each
+    # layer (`kv_cache.slot_writes`), so that a layer's cache is read where the layer is
+    records = {n: a for n, a in cache.items() if n not in ("k", "v")}
     if slots is not None:
-        cache = take_rows(cache, slots)
-    check_step(config, cache, input_ids, position_ids, vision_embeds, image_idx)
+        seen = jax.eval_shape(take_rows, cache, slots)
+        cache = dict(cache, **take_rows(records, slots))
+    check_step(config, cache if slots is None else seen, input_ids, position_ids,
+               vision_embeds, image_idx)  # fmt: skip
     model = TextModel(config).apply(
-        {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention
-    )
+        {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention,
+        slots,
+    )  # fmt: skip
     if slots is not None:
-        model["cache"] = put_rows(full, model["cache"], slots)
+        made = {n: model["cache"][n] for n in records}
+        model["cache"] = dict(model["cache"], **put_rows(records, made, slots))
     hidden = model["hidden"]
     if last_only:
         last = jnp.argmax(position_ids, axis=1)[:, None, None]

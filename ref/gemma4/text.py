@@ -16,7 +16,13 @@ from functools import partial
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ref.gemma4.kv_cache import cache_len, linear_memory, ring_memory, uses_ring
+from ref.gemma4.kv_cache import (
+    cache_len,
+    linear_memory,
+    ring_memory,
+    slot_writes,
+    uses_ring,
+)
 from ref.gemma4.moe import Experts, Router
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.layers import Embedding, RMSNorm, Weight, gated_mlp, gelu_tanh, linear, rms_norm
@@ -220,7 +226,9 @@ class TextModel(nn.Module):
 
     __call__(input_ids [B, S], positions [B, S] (−1 = padding), cache (see
     `ref.gemma4.kv_cache.init_cache`), vision_embeds [B, V, D] or None, image_idx [B, 1] or
-    None, attention) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
+    None, attention, slots: None, or [B] int (continuous batching: "k" and "v" hold F ≥ B
+    slots and row b reads and writes slot slots[b] only, −1 = none; the cache's other arrays
+    are the step's B rows)) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
     image_idx_output (with vision_embeds), "hidden_states": the merged embeddings then every
     layer's output, each [B, S, D]} (the keys `VisionModel` uses where they mean the same).
     """
@@ -228,7 +236,9 @@ class TextModel(nn.Module):
     config: TextConfig
 
     @nn.compact
-    def __call__(self, input_ids, positions, cache, vision_embeds, image_idx, attention):
+    def __call__(
+        self, input_ids, positions, cache, vision_embeds, image_idx, attention, slots=None
+    ):
         c = self.config
         if c.image_token_id is None:
             placeholder = jnp.zeros(input_ids.shape, bool)
@@ -253,6 +263,8 @@ class TextModel(nn.Module):
             cache, sliding, sliding_write = ring_memory(cache, positions, groups, window)
         mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
+        if slots is not None:
+            writes = slot_writes(writes, slots)
 
         x, keys, values, states = Layers(c, name="layers")(
             x, per_layer, positions, cache["k"], cache["v"], mask_args, writes, attention
