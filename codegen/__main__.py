@@ -31,7 +31,7 @@ def _run_kit(args):
     return 0
 
 
-def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None):
+def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, specs=None):
     from codegen.verify import table, verify
 
     if not check_shards:
@@ -41,7 +41,7 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None):
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     rows = verify(
         folder, seed=seed, check_shards=check_shards, layerwise_given=layerwise, log=log,
-        graphs=graphs,
+        graphs=graphs, specializations=specs,
     )  # fmt: skip
     print(table(rows))
     bad = [r for r in rows if not r[-1]]
@@ -58,7 +58,7 @@ def _run_precision(args):
     results = verify_precision(
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
         check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,
-        graphs=args.graphs,
+        graphs=args.graphs, specializations=args.specializations,
     )  # fmt: skip
     text, bad = precision_table(results, args.precision)
     print(text)
@@ -96,8 +96,9 @@ def main(argv=None):
             return _run_precision(args)
         if args.command == "verify":
             return _run_verify(
-                args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs
-            )
+                args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs,
+                args.specializations,
+            )  # fmt: skip
         if args.command == "drift":
             return _run_drift(args)
         if args.command == "run":

@@ -369,6 +369,14 @@ def parser():
         metavar="NAME",
         help="check only this graph (repeatable; default every graph in manifest.json)",
     )
+    v.add_argument(
+        "--specialization",
+        action="append",
+        dest="specializations",
+        metavar="NAME",
+        help="check only this specialization, e.g. prefill_1120 (repeatable; default all; its "
+        "random inputs are the same as when all are checked)",
+    )
     how = v.add_mutually_exclusive_group()
     how.add_argument(
         "--layerwise",

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 
 from codegen import graphs
 from codegen.layerwise import error, session_at
-from codegen.verify import VerifyError, load_graph, read_manifest, rebuild, way
+from codegen.verify import read_manifest, selected, way
 from ref import numerics
 from ref.gemma4.model import Gemma4
 from ref.gemma4.step import apply_step
@@ -197,31 +197,23 @@ def first_nonfinite_onnx(stats, names, producers):
 
 def verify_precision(
     folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
-    log=None, graphs=None,
+    log=None, graphs=None, specializations=None,
 ):  # fmt: skip
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
     layers [(layer, max |x|)], onnx_max, first nonfinite (ref: Record or None; onnx: name or
     None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`, way ("whole
     graph" or "layer by layer", chosen as `verify` chooses: `codegen.verify.way`). log(line):
-    progress; graphs: the names of the graphs to check (default all)."""
+    progress; graphs, specializations: the names of those to check (default all)."""
     precision = numerics.format_name(precision)
     kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
     log = log or (lambda line: None)
     folder = os.path.abspath(folder)
     manifest = read_manifest(folder, check_shards=check_shards)
     checkpoint = open_checkpoint(folder)
-    names = [e["name"] for e in manifest["graphs"]]
-    unknown = sorted(set(graphs or ()) - set(names))
-    if unknown:
-        raise VerifyError(f"{folder}: no graph {unknown[0]!r}; the export has {names}")
     results = []
-    for entry in manifest["graphs"]:
-        if graphs and entry["name"] not in graphs:
-            continue
-        # fn: the composition exported (vision tiles included: their order is part of it)
-        spec = rebuild(entry, checkpoint)
-        model = load_graph(entry, folder, checkpoint)
+    # each spec's fn: the composition exported (vision tiles included: their order is in it)
+    for entry, spec, model in selected(folder, manifest, checkpoint, graphs, specializations):
         layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
         log(f"verify --precision {precision} {spec.name}: "
             f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip

@@ -6,6 +6,7 @@ onnxruntime's outputs are compared with the `ref` composition's (for attention g
 dense reference, not the blocked code that was exported) on the same float32 weights.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -142,6 +143,10 @@ def _layered(spec, model, folder, checkpoint, seed, log):
         feed = _sample(spec, s, seed)
         found = layerwise.verify_specialization(spec, model, folder, checkpoint, feed, log=log)
         rows += [(s["name"], *r) for r in found]
+        worst = max(found, key=lambda r: r[2])
+        bad = sum(not r[-1] for r in found)
+        log(f"  {spec.name} {s['name']}: {len(found) - bad} of {len(found)} outputs ok, worst "
+            f"{worst[0]} {worst[2]:.2e} at {worst[3]}")  # fmt: skip
     return rows
 
 
@@ -159,26 +164,53 @@ def way(spec, entry, model, checkpoint, layerwise_given=None):
     return "whole"
 
 
-def verify(folder, *, seed=0, check_shards=True, layerwise_given=None, log=None, graphs=None):
-    """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
-    graph, specialization and output of the export in `folder` (checked first:
-    `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
-    layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
-    by layer, per layer. graphs: the names of the graphs to check (default all)."""
-    log = log or (lambda line: None)
-    folder = os.path.abspath(folder)
-    manifest = read_manifest(folder, check_shards=check_shards)
-    checkpoint = open_checkpoint(folder)
+def selected(folder, manifest, checkpoint, graphs=None, specializations=None):
+    """[(manifest entry, GraphSpec, ModelProto without weights)] of the graphs of the export
+    in `folder` named in `graphs` (default all), each spec keeping only its specializations
+    named in `specializations` (default all; a graph with none of them is left out). A name
+    the export lacks is a VerifyError. A specialization's sample does not depend on which
+    others are checked."""
     names = [e["name"] for e in manifest["graphs"]]
     unknown = sorted(set(graphs or ()) - set(names))
     if unknown:
         raise VerifyError(f"{folder}: no graph {unknown[0]!r}; the export has {names}")
-    rows = []
+    chosen = []
     for entry in manifest["graphs"]:
-        if graphs and entry["name"] not in graphs:
-            continue
-        spec = rebuild(entry, checkpoint)
-        model = load_graph(entry, folder, checkpoint)
+        if not graphs or entry["name"] in graphs:
+            chosen.append((entry, rebuild(entry, checkpoint)))
+    known = [s["name"] for _, spec in chosen for s in spec.specializations]
+    unknown = sorted(set(specializations or ()) - set(known))
+    if unknown:
+        raise VerifyError(
+            f"{folder}: no specialization {unknown[0]!r} in the graphs checked; they have {known}"
+        )
+    out = []
+    for entry, spec in chosen:
+        keep = [
+            s for s in spec.specializations if not specializations or s["name"] in specializations
+        ]
+        if keep:
+            spec = dataclasses.replace(spec, specializations=tuple(keep))
+            out.append((entry, spec, load_graph(entry, folder, checkpoint)))
+    return out
+
+
+def verify(
+    folder, *, seed=0, check_shards=True, layerwise_given=None, log=None, graphs=None,
+    specializations=None,
+):  # fmt: skip
+    """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
+    graph, specialization and output of the export in `folder` (checked first:
+    `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
+    layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
+    by layer, per layer and per specialization. graphs, specializations: the names of those to
+    check (default all; `selected`)."""
+    log = log or (lambda line: None)
+    folder = os.path.abspath(folder)
+    manifest = read_manifest(folder, check_shards=check_shards)
+    checkpoint = open_checkpoint(folder)
+    rows = []
+    for entry, spec, model in selected(folder, manifest, checkpoint, graphs, specializations):
         how = way(spec, entry, model, checkpoint, layerwise_given)
         gib = float32_bytes(spec, checkpoint) / 2**30
         log(f"verify {spec.name}: {'layer by layer' if how == 'layers' else 'whole graph'} "

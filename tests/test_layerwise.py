@@ -173,14 +173,18 @@ def test_a_wrong_glue_weight_is_named_as_glue(copy):
 
 
 def test_cli_prints_which_way_and_each_layer(out, capsys):
-    assert main(["verify", str(out), "--layerwise", "--graph", "decode"]) == 0
+    assert main(["verify", str(out), "--layerwise", "--graph", "decode"]
+                + ["--specialization", "decode"]) == 0  # fmt: skip
     captured = capsys.readouterr()
     assert "verify decode: layer by layer" in captured.err
+    assert "  decode decode: 7 of 7 outputs ok, worst " in captured.err
     assert "decode: layer 0 (" in captured.err and "decode: layer 3 (" in captured.err
     assert "vision" not in captured.err + captured.out
     assert "worst at" in captured.out and "layer outputs" in captured.out
     assert main(["verify", str(out), "--graph", "nope"]) == 2
     assert "no graph 'nope'" in capsys.readouterr().err
+    assert main(["verify", str(out), "--graph", "decode", "--specialization", "prefill_70"]) == 2
+    assert "no specialization 'prefill_70'" in capsys.readouterr().err
 
 
 def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeypatch):
