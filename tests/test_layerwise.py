@@ -54,7 +54,8 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     events, log = _cache_draws(monkeypatch)
     layered = verify(out, seed=2, layerwise_given=True, log=log)
     monkeypatch.undo()
-    _drawn_at_their_layers(events, cache_owners(text_config(open_checkpoint(out).config)))
+    owners = cache_owners(text_config(open_checkpoint(out).config))
+    assert _drawn_at_their_layers(events, owners) == ["prefill", "decode"]
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
     assert {r[:3] for r in whole} <= {r[:3] for r in layered}
     for g, _, o, _, _, where, _ in layered:
@@ -269,16 +270,16 @@ def _cache_draws(monkeypatch):
 
 def _drawn_at_their_layers(events, owners):
     """In the prefill and decode checks of a `verify` log (`_cache_draws`), every cache is
-    drawn once, and when layer k is checked exactly those of the owners ≤ k have been."""
+    drawn once, and when layer k is checked exactly those of the owners ≤ k have been
+    → the names of the language graphs checked."""
     starts = [j for j, e in enumerate(events) if e[0] == "log" and e[1].startswith("verify ")]
     language = [j for j in starts if events[j][1].split()[1].rstrip(":") in ("prefill", "decode")]
-    assert len(language) == 2, [events[j] for j in starts]
     for a, b in zip(starts, [*starts[1:], len(events)], strict=True):
         drawn, checked = 0, []
         for kind, what in events[a + 1 : b]:
             if kind == "draw":
                 drawn += 1
-            else:
+            elif ": layer " in what:  # not the specialization's verdict line
                 k = int(what.split(": layer ")[1].split(" ")[0])
                 assert a not in language or drawn == 2 * sum(i <= k for i in owners), (
                     events[a], what, drawn,
@@ -286,17 +287,20 @@ def _drawn_at_their_layers(events, owners):
                 checked.append(k)
         want = 2 * len(owners) if a in language else 0
         assert drawn == want and checked == sorted(checked) and checked, (events[a], drawn)
+    return [events[j][1].split()[1].rstrip(":") for j in language]
 
 
 def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
-    """Without continuous batching every cache is drawn once, just before its layer: when
-    layer k is checked, exactly the caches of the cache-owning layers up to k have been drawn
-    (before: all drawn with the sample, 10 GiB of float32 for the 31B at ctx 65,536), and
-    the verdict is the whole graph's."""
+    """Without continuous batching (the blocked prefill) every cache is drawn once, just
+    before its layer: when layer k is checked, exactly the caches of the cache-owning layers up
+    to k have been drawn (before: all drawn with the sample, 10 GiB of float32 for the 31B at
+    ctx 65,536), and the verdict is the whole graph's."""
     events, log = _cache_draws(monkeypatch)
-    layered = verify(single, seed=6, layerwise_given=True, log=log)
-    _drawn_at_their_layers(events, cache_owners(text_config(open_checkpoint(single).config)))
-    whole = verify(single, seed=6, layerwise_given=False)
+    # the decode graph without continuous batching is drawn layer by layer in the audit below
+    layered = verify(single, seed=6, layerwise_given=True, log=log, graphs=["prefill"])
+    owners = cache_owners(text_config(open_checkpoint(single).config))
+    assert _drawn_at_their_layers(events, owners) == ["prefill"]
+    whole = verify(single, seed=6, layerwise_given=False, graphs=["prefill"])
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
     assert {r[:3] for r in whole} <= {r[:3] for r in layered}
 
