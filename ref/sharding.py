@@ -23,7 +23,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # (pattern, dim): a tensor whose dotted name matches `pattern` (re.search) is split along
@@ -39,6 +39,17 @@ RULES = (
     (r"experts\.down_proj$", 2),  # [E, D, I]: expert hidden
     (r"^[kv]\.\d+$", 1),  # cache [B, Hkv, T, hd]: KV heads
 )
+
+
+def auto_axes(mesh):
+    """`mesh` with every axis Auto (None stays None): the same devices and axis names. An
+    explicit-axis mesh (`jax.make_mesh`'s default in JAX 0.10) types each array with its
+    sharding and refuses ops whose output sharding is ambiguous (a contraction over a split
+    dim, a reshape of one); `ref` places its parameters and caches by `RULES` and leaves the
+    intermediates to XLA's partitioner, which needs Auto axes. Values do not depend on it."""
+    if mesh is None or all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def rule_dim(name):

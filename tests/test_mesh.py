@@ -1,4 +1,5 @@
-"""Gemma 4 sharded over 8 CPU devices (meshes (8,), (2, 4), (4, 2)), loaded block by block from
+"""Gemma 4 sharded over 8 CPU devices (meshes (8,), (2, 4), and (4, 2) made by `jax.make_mesh`,
+whose axes are explicit), loaded block by block from
 a checkpoint transformers wrote, for a tiny dense model (k_eq_v, PLE) and a tiny MoE model,
 each with a vision tower:
 
@@ -96,8 +97,13 @@ SCRIPT = textwrap.dedent(
         np.testing.assert_array_equal(tokens, want)
         ctx_len = ids.shape[1] + NEW
         tower1, out1 = prefill(one, ids, patches, ctx_len)
+        # auto axes (jax.sharding.Mesh) and explicit ones (jax.make_mesh's default), any names
         for shape in [(8,), (2, 4), (4, 2)]:
-            mesh = Mesh(np.array(jax.devices()).reshape(shape), ("x", "y")[: len(shape)])
+            if shape == (4, 2):
+                mesh = jax.make_mesh(shape, ("data", "model"))
+                assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}, mesh
+            else:
+                mesh = Mesh(np.array(jax.devices()).reshape(shape), ("x", "y")[: len(shape)])
             model = Gemma4.from_pretrained(folder, mesh=mesh)
             got = model.generate(ids, patches, GRIDS, max_new_tokens=NEW)
             np.testing.assert_array_equal(got[0], want, err_msg=f"moe={moe} mesh={shape}")

@@ -90,7 +90,9 @@ class Gemma4:
     lm_head: [V, D] or None (tied to the token embedding); vision: an object with
     `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`);
     mesh: None (one device) or a `jax.sharding.Mesh` the parameters and the KV cache are split
-    over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`).
+    over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`), with
+    any axis names; an explicit-axis mesh (`jax.make_mesh`'s default) is used with Auto axes
+    (`sharding.auto_axes`).
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class Gemma4:
         self.config = text_config
         self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
-        self.mesh = mesh
+        self.mesh = mesh = sharding.auto_axes(mesh)
         self.params = sharding.put(text_params, self.dtype, mesh, "model.language_model.")
         self.lm_head = (
             None if lm_head is None else sharding.put(lm_head, dtype, mesh, "lm_head.weight")

@@ -78,7 +78,9 @@ class VisionTower:
 
     def __init__(self, config, params, embed_params=None, dtype=jnp.float32, mesh=None):
         """mesh: None (one device) or a `jax.sharding.Mesh` the parameters are split over by
-        `ref.sharding.RULES`, each device's blocks read from the leaves alone."""
+        `ref.sharding.RULES`, each device's blocks read from the leaves alone (explicit axes
+        are used as Auto: `sharding.auto_axes`)."""
+        mesh = sharding.auto_axes(mesh)
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.params = sharding.put(params, self.dtype, mesh, "model.vision_tower.")
