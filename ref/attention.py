@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ref import validate
 from ref.blocking import BlockingConfig
+from ref.sharding import auto_axes
 
 
 def _acc_dtype(dtype):
@@ -536,9 +537,11 @@ def blocked(
 
 
 def _sharded(q, k, v, q_pos, kv_pos, groups, config, mesh, kwargs):
-    """`blocked` with the heads split over every device of `mesh` (shard_map)."""
+    """`blocked` with the heads split over every device of `mesh` (shard_map; an explicit-axis
+    mesh is used with Auto axes, `sharding.auto_axes`, so the arrays need no placement)."""
     from jax.sharding import PartitionSpec as P
 
+    mesh = auto_axes(mesh)
     if config.batch_fold:
         raise ValueError("a mesh shards the heads of an unfolded cache; drop batch_fold")
     n = mesh.size
