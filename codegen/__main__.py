@@ -89,8 +89,6 @@ def main(argv=None):
         return e.code
     if args.command in ("vectors", "plan"):
         return _run_kit(args)
-    from codegen.export import ExportOptions, export, summary
-
     try:
         if args.command == "verify" and args.precision is not None:
             return _run_precision(args)
@@ -109,6 +107,9 @@ def main(argv=None):
             from codegen.inputs import serve_main
 
             return serve_main(args)
+        # the exporter (jax2onnx) is imported only to export: run and serve read the folder
+        from codegen.export import ExportOptions, export, summary
+
         blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
         opts = ExportOptions(blocking=blocking, **fields)

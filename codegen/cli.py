@@ -1,5 +1,5 @@
 """The command line's grammar: `parser()` for `python -m codegen` and its subcommands (export,
-run, serve, verify, vectors, plan), with the argument types that read their values."""
+run, serve, verify, drift, vectors, plan), with the argument types that read their values."""
 
 import argparse
 from pathlib import Path

@@ -29,14 +29,13 @@ from codegen import (
     vision_graph,
 )
 from codegen.clip import clip_fp16
+from codegen.folder import FORMAT, MANIFEST
 from codegen.ops import OPSET
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
 from weights import open_checkpoint
 
-MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-FORMAT = "gemma4-qaic-export/1"
 
 
 class ExportError(ValueError):

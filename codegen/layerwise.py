@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
 from codegen import graphs
 from codegen.external import WeightError, onnx_dtype
+from codegen.folder import session_at
 from ref.attention import reference
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
@@ -234,26 +234,6 @@ _ONNX_TYPES = {
     np.dtype(np.int64): onnx.TensorProto.INT64,
     np.dtype(np.bool_): onnx.TensorProto.BOOL,
 }
-
-
-def session_at(model, path):
-    """An onnxruntime CPU session on the in-memory `model`, written at `path` for as long as
-    loading takes (its external data resolves beside it) and removed after."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    # no constant folding: folding a weight's Cast holds the checkpoint's bytes, the float32
-    # result and a serialized copy of it at once (31B layer: +4.2 GB → +3.1 GB, and faster);
-    # unfolded, each Cast runs when the graph reaches it
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    # no arena: each run's tensors go back when freed (an arena grows by doubling and keeps
-    # its chunks for the session's life)
-    opts.enable_cpu_mem_arena = False
-    try:
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString())
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    finally:
-        os.remove(path)
 
 
 class Runner:

@@ -27,8 +27,9 @@ import onnx.inliner
 from onnx import TensorProto, helper
 
 from codegen import graphs
-from codegen.layerwise import error, session_at
-from codegen.verify import read_manifest, selected, way
+from codegen.folder import read_manifest, session_at
+from codegen.layerwise import error
+from codegen.verify import selected, way
 from ref import numerics
 from ref.gemma4.model import Gemma4
 from ref.gemma4.step import apply_step

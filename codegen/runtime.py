@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from codegen.verify import open_session, read_manifest
+from codegen.folder import open_session, read_manifest
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.model import chunk_bounds, image_runs
 from ref.gemma4.packing import pack, pack_patches

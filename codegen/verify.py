@@ -7,28 +7,20 @@ dense reference, not the blocked code that was exported) on the same float32 wei
 """
 
 import dataclasses
-import json
 import math
 import os
 import zlib
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
-from codegen import attention_graph, external, graphs, layerwise, model_graphs, vision_graph
-from codegen.export import MANIFEST
-from codegen.integrity import check_folder
+from codegen import attention_graph, graphs, layerwise, model_graphs, vision_graph
+from codegen.folder import VerifyError, load_graph, open_session, read_manifest
 from weights import open_checkpoint
 
 RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation
 # Graphs whose float32 weights exceed this are checked layer by layer by default (every
 # released size; the tiny default model stays whole).
 LAYERWISE_BYTES = 256 << 20
-
-
-class VerifyError(ValueError):
-    """The folder is not an export this version can verify."""
 
 
 def rebuild(entry, checkpoint):
@@ -70,41 +62,6 @@ def rebuild(entry, checkpoint):
             use_functions=False,
         )
     raise VerifyError(f"graph {entry['name']!r} has unknown kind {entry['kind']!r}")
-
-
-def load_graph(entry, folder, checkpoint):
-    """The graph as an in-memory ModelProto (external data left on disk); `--weights inputs`
-    graphs get their weights bound from the weight spec."""
-    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
-    if entry.get("weight_spec") is not None:
-        with open(os.path.join(folder, entry["weight_spec"])) as f:
-            spec = json.load(f)
-        external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
-    return model
-
-
-def open_session(entry, folder, checkpoint):
-    """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
-    from the weight spec (written beside the folder's other files, removed after loading)."""
-    path = os.path.join(folder, entry["file"])
-    if entry.get("weight_spec") is None:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    model = load_graph(entry, folder, checkpoint)
-    return layerwise.session_at(model, os.path.join(folder, f".verify.{entry['name']}.onnx"))
-
-
-def read_manifest(folder, *, check_shards=True):
-    """The folder's manifest.json, after `codegen.integrity.check_folder` unless told not to."""
-    try:
-        with open(os.path.join(folder, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{folder}: no readable {MANIFEST} ({e})") from e
-    if check_shards:
-        check_folder(folder, manifest)
-    return manifest
 
 
 def float32_bytes(spec, checkpoint):

@@ -236,6 +236,22 @@ def test_manifest_that_is_not_json_is_refused(exported, tmp_path, capsys):
     assert "manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize("found", ["gemma4-qaic-export/0", None])
+def test_manifest_of_another_format_is_refused(exported, tmp_path, capsys, command, found):
+    """A folder whose manifest.json is not in the format this version writes (an older or a
+    newer export, or none recorded) is refused by name before anything else is read."""
+    folder = tmp_path / "copy"
+    shutil.copytree(exported, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["format"] = found
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    args = [command, str(folder)] + (["--prompt-ids", "2,10,11"] if command == "run" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"format {found!r}: expected 'gemma4-qaic-export/1'" in err[0], err
+
+
 @settings(max_examples=examples(6), deadline=None)
 @given(bad=BAD_FLOATS, jax_array=st.booleans(), at=st.integers(0, 2**23 + 39))
 @example(bad=np.nan, jax_array=False, at=2**23 + 39)  # the last value, past the last chunk

@@ -35,3 +35,47 @@ def test_the_rule_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\nfrom weights.checkpoint import open_checkpoint\n")
     assert imported_roots(bad) & FORBIDDEN_IN_REF == {"torch", "weights"}
+
+
+def _codegen_modules(path):
+    """The `codegen` modules a module imports anywhere in it ("codegen.x"), and its roots."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "codegen":
+                found.update(f"codegen.{alias.name}" for alias in node.names)
+            elif node.module.startswith("codegen."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("codegen."))
+    return found, imported_roots(path)
+
+
+def reachable(start):
+    """(codegen modules, top-level packages) imported from the modules `start`, transitively
+    through codegen's own modules."""
+    seen, roots, todo = set(), set(), list(start)
+    while todo:
+        name = todo.pop()
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if name in seen or not path.exists():
+            continue
+        seen.add(name)
+        mods, found = _codegen_modules(path)
+        roots |= found
+        todo += sorted(mods - seen)
+    return seen, roots
+
+
+RUNNER = ("codegen.runtime", "codegen.inputs", "codegen.folder")
+
+
+def test_the_runner_does_not_import_the_exporter():
+    """`codegen run` and `serve` (and the folder's reader) load without jax2onnx: the runtime
+    reads the manifest and opens sessions (`codegen.folder`), it never traces."""
+    mods, roots = reachable(RUNNER)
+    assert not roots & {"jax2onnx", "onnx_ir"}, sorted(mods)
+    assert not mods & {"codegen.export", "codegen.trace", "codegen.verify", "codegen.graphs"}
+    # the rule sees what verify pulls in
+    mods, roots = reachable(("codegen.verify",))
+    assert "jax2onnx" in roots and "codegen.folder" in mods

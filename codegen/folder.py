@@ -1,0 +1,85 @@
+"""The export folder as the runner and the checks read it: manifest.json (its format checked),
+each graph's ModelProto and onnxruntime session.
+
+Imports onnx, onnxruntime and the folder's integrity check only — not the exporter (jax2onnx),
+so `codegen run` and `serve` load without it (a test keeps it so).
+"""
+
+import json
+import os
+
+import onnx
+import onnxruntime as ort
+
+from codegen import external
+from codegen.integrity import check_folder
+
+MANIFEST = "manifest.json"
+# what export writes as manifest["format"]; a folder in another format is refused by name
+FORMAT = "gemma4-qaic-export/1"
+
+
+class VerifyError(ValueError):
+    """The folder is not an export this version can read."""
+
+
+def read_manifest(folder, *, check_shards=True):
+    """The folder's manifest.json, its format checked, after `codegen.integrity.check_folder`
+    unless told not to."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"{folder}: no readable {MANIFEST} ({e})") from e
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        raise VerifyError(
+            f"{folder}: {MANIFEST} format {found!r}: expected {FORMAT!r} (export it again with "
+            "this version)"
+        )
+    if check_shards:
+        check_folder(folder, manifest)
+    return manifest
+
+
+def session_at(model, path):
+    """An onnxruntime CPU session on the in-memory `model`, written at `path` for as long as
+    loading takes (its external data resolves beside it) and removed after."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    # no constant folding: folding a weight's Cast holds the checkpoint's bytes, the float32
+    # result and a serialized copy of it at once (31B layer: +4.2 GB → +3.1 GB, and faster);
+    # unfolded, each Cast runs when the graph reaches it
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # no arena: each run's tensors go back when freed (an arena grows by doubling and keeps
+    # its chunks for the session's life)
+    opts.enable_cpu_mem_arena = False
+    try:
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    finally:
+        os.remove(path)
+
+
+def load_graph(entry, folder, checkpoint):
+    """The graph as an in-memory ModelProto (external data left on disk); `--weights inputs`
+    graphs get their weights bound from the weight spec."""
+    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+    if entry.get("weight_spec") is not None:
+        with open(os.path.join(folder, entry["weight_spec"])) as f:
+            spec = json.load(f)
+        external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
+    return model
+
+
+def open_session(entry, folder, checkpoint):
+    """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
+    from the weight spec (written beside the folder's other files, removed after loading)."""
+    path = os.path.join(folder, entry["file"])
+    if entry.get("weight_spec") is None:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    model = load_graph(entry, folder, checkpoint)
+    return session_at(model, os.path.join(folder, f".verify.{entry['name']}.onnx"))
