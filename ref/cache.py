@@ -5,8 +5,10 @@ positions are int arrays with −1 meaning "nothing": a slot −1 writes nothing
 an empty slot. The cache a call returns is the next call's cache input (QAIC's retained state),
 so chunked prefill is `update` then attention, chunk after chunk.
 
-Writes are one scatter into the cache plus a spare slot that takes every −1, then a static slice
-back to T: every index is in range, which ScatterND needs (it neither clamps nor drops).
+Writes are one ScatterND into the cache itself, every index in range (ScatterND neither clamps
+nor drops): a write to −1 goes where it changes nothing (see `_write`). No copy of the cache is
+made beside the one the scatter writes (a spare slot concatenated and sliced away cost one more
+whole cache per write in onnxruntime, and a whole-cache copy per call on the device).
 """
 
 import jax
@@ -27,9 +29,7 @@ def scatter(cache, new, slots):
             f"got new {new.shape}, slots {slots.shape}"
         )
     # Shapes may be symbolic at export (batch, seq_len): iota instead of arange.
-    rows = lax.broadcasted_iota(jnp.int32, (b, 1, 1), 0)
-    heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
-    return _write(cache, 2, (rows, heads, _spare_slot(slots, t)[:, None, :]), new)
+    return _write(cache, 2, slots[:, None, :], new)
 
 
 def scatter_positions(cache_pos, positions, slots):
@@ -37,28 +37,48 @@ def scatter_positions(cache_pos, positions, slots):
 
     A slot −1 writes nothing. Returns [B, T] int (−1 = empty slot).
     """
-    b, t = cache_pos.shape
-    rows = lax.broadcasted_iota(jnp.int32, (b, 1), 0)
-    return _write(cache_pos, 1, (rows, _spare_slot(slots, t)), positions)
+    return _write(cache_pos, 1, slots, positions)
 
 
-def _spare_slot(slots, t):
-    """Slots with every invalid one (−1, ≥ T) sent to the spare slot T."""
-    return jnp.where((slots >= 0) & (slots < t), slots, t)
+def _write(array, axis, slots, values):
+    """`array` [*L, T, *R] (L = its dims before `axis`) with `values` [*L, S, *R] written at
+    `slots` (int, broadcastable to [*L, S]; one outside [0, T) writes nothing) → array's shape
+    and dtype.
 
+    One ScatterND into `array`, every index in range: an invalid write is sent where it changes
+    nothing — onto its row's first valid write, with that write's value (a repeated index with
+    an equal value gives the same result in any order), or, in a row with no valid write, onto
+    slot 0 with slot 0's own value. Valid slots of one row must be distinct.
+    """
+    lead, t = array.shape[:axis], array.shape[axis]
+    slots = jnp.broadcast_to(slots, lead + (values.shape[axis],))
+    valid = (slots >= 0) & (slots < t)
+    first = jnp.argmax(valid.astype(jnp.int32), axis=-1, keepdims=True)  # [*L, 1]
+    some = jnp.any(valid, axis=-1, keepdims=True)  # [*L, 1]
+    slots = jnp.where(
+        valid,
+        slots,
+        jnp.where(some, jnp.take_along_axis(slots, first, -1, mode="promise_in_bounds"), 0),
+    )
 
-def _write(array, axis, index, values):
-    """`array` with `values` set at `index` (a tuple of index arrays, the one for `axis` through
-    `_spare_slot`): one scatter into `array` plus a spare slot at the end of `axis`, which takes
-    every invalid write and is sliced away → array's shape and dtype."""
-    n = array.shape[axis]
-    # jnp.zeros of a shape, not zeros_like: jax2onnx keeps the former as one ConstantOfShape but
-    # stores the latter as an initializer, which for a write along the slot axis is a whole
-    # cache row ([1, Hkv, T, D]: 1 GiB at ctx 65,536) per cache.
-    shape = array.shape[:axis] + (1,) + array.shape[axis + 1 :]
-    spare = jnp.concatenate([array, jnp.zeros(shape, array.dtype)], axis)
-    spare = spare.at[index].set(values.astype(array.dtype), mode="promise_in_bounds")
-    return lax.slice_in_dim(spare, 0, n, axis=axis)
+    def spread(x):  # [*L, S] → [*L, S, 1 …] against values
+        return x.reshape(x.shape + (1,) * (array.ndim - axis - 1))
+
+    values = values.astype(array.dtype)
+    kept = jnp.where(
+        spread(some),
+        jnp.take_along_axis(values, spread(first), axis, mode="promise_in_bounds"),
+        lax.slice_in_dim(array, 0, 1, axis=axis),
+    )
+    values = jnp.where(spread(valid), values, kept)
+    # Shapes may be symbolic at export (batch, seq_len): iota instead of arange.
+    index = tuple(
+        lax.broadcasted_iota(
+            jnp.int32, tuple(n if k == i else 1 for k, n in enumerate(lead)) + (1,), i
+        )
+        for i in range(axis)
+    )
+    return jnp.asarray(array).at[index + (slots,)].set(values, mode="promise_in_bounds")
 
 
 def update(cache_k, cache_v, k_new, v_new, slots):
@@ -129,6 +149,6 @@ def put_rows(tree, new, rows):
     [B] int; a row −1 (or ≥ F) writes nothing; valid rows must be distinct → like `tree`."""
 
     def put(a, b):
-        return _write(a, 0, (_spare_slot(rows, a.shape[0]),), b)
+        return _write(a, 0, rows, b)
 
     return jax.tree_util.tree_map(put, tree, new)

@@ -1,15 +1,20 @@
 """Blocked attention and the cache scatter export through jax2onnx without Loop or Einsum, and
 onnxruntime reproduces JAX on the exported graph (float32, ≤ 2e-6 relative)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import onnxruntime as ort
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax2onnx import to_onnx
 
 from codegen.ops import ALLOWED_OPS
 from ref import cache
 from ref.attention import blocked
+from tests.util import examples
 
 
 def step(q, k, v, q_pos, kv_pos, q_group, kv_group, past, slots):
@@ -98,3 +103,71 @@ def test_cache_update_exports_with_symbolic_batch_and_length():
     got = session.run(None, {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)})
     for g, w in zip(got, write(*inputs), strict=True):
         assert (g == np.asarray(w)).all()
+
+
+@functools.cache
+def _writes():
+    """`cache.scatter`, `scatter_positions` and `put_rows` traced once, shapes fixed:
+    cache [3, 2, 6, 4], new [3, 2, 4, 4], slots [3, 4]; rows [3] into [5, 6]."""
+
+    def writes(old, new, pos, slots, table, rows):
+        return (
+            cache.scatter(old, new, slots),
+            cache.scatter_positions(pos, slots, slots),
+            cache.put_rows(table, table[:3] + 1, rows),
+        )
+
+    spec = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = [spec((3, 2, 6, 4), f32), spec((3, 2, 4, 4), f32), spec((3, 6), i32),
+              spec((3, 4), i32), spec((5, 6), f32), spec((3,), i32)]  # fmt: skip
+    model = to_onnx(writes, shapes)
+    return model, ort.InferenceSession(model.SerializeToString())
+
+
+@st.composite
+def _distinct_or_invalid(draw, n, t):
+    """n slots: distinct ones in [0, t), the rest −1, −2, t or t + 3 (write nothing), shuffled."""
+    valid = draw(st.lists(st.integers(0, t - 1), max_size=n, unique=True))
+    bad = st.sampled_from([-1, -2, t, t + 3])
+    return draw(
+        st.permutations(
+            valid + draw(st.lists(bad, min_size=n - len(valid), max_size=n - len(valid)))
+        )
+    )
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(st.data(), st.integers(0, 2**32 - 1))
+def test_a_write_in_onnxruntime_is_one_scatter_into_the_cache(data, seed):
+    """Every write (`scatter` along slots, `scatter_positions`, `put_rows` along rows) is one
+    ScatterND straight into the input array, no copy of it beside (a spare slot concatenated
+    and sliced off cost a whole cache per write); with invalid slots anywhere in a row, rows with
+    no valid slot, and slot 0 both written and not, onnxruntime equals a loop (exactly)."""
+    model, session = _writes()
+    names = [i.name for i in model.graph.input]
+    scatters = [n for n in model.graph.node if n.op_type == "ScatterND"]
+    arrays = {names[0], names[2], names[4]}
+    assert len(scatters) == 3 and {n.input[0] for n in scatters} == arrays
+    assert not [
+        n for n in model.graph.node if n.op_type in ("Concat", "Pad") and arrays & set(n.input)
+    ]
+    rng = np.random.default_rng(seed)
+    old = rng.normal(size=(3, 2, 6, 4)).astype(np.float32)
+    new = rng.normal(size=(3, 2, 4, 4)).astype(np.float32)
+    pos = rng.integers(-1, 9, size=(3, 6)).astype(np.int32)
+    slots = np.array([data.draw(_distinct_or_invalid(4, 6)) for _ in range(3)], np.int32)
+    table = rng.normal(size=(5, 6)).astype(np.float32)
+    rows = np.array(data.draw(_distinct_or_invalid(3, 5)), np.int32)
+    want_cache, want_pos, want_table = old.copy(), pos.copy(), table.copy()
+    for b in range(3):
+        for i, slot in enumerate(slots[b]):
+            if 0 <= slot < 6:
+                want_cache[b, :, slot] = new[b, :, i]
+                want_pos[b, slot] = slot
+    for i, row in enumerate(rows):
+        if 0 <= row < 5:
+            want_table[row] = table[i] + 1
+    got = session.run(None, dict(zip(names, [old, new, pos, slots, table, rows], strict=True)))
+    for g, w in zip(got, [want_cache, want_pos, want_table], strict=True):
+        assert g.dtype == w.dtype and (g == w).all()

@@ -166,12 +166,6 @@ def test_scatter_three_rows_three_heads_against_a_loop():
     assert (np.asarray(k) == want).all() and (np.asarray(v) == want + 1).all()
 
 
-def test_spare_slot_keeps_every_index_in_range():
-    """ScatterND neither clamps nor drops: every invalid slot (negative, ≥ T) goes to slot T."""
-    got = np.asarray(cache._spare_slot(np.array([[-2, -1, 0, 3, 4, 5, 9]]), 4))
-    assert got.tolist() == [[4, 4, 0, 3, 4, 4, 4]]
-
-
 def test_scatter_casts_to_the_cache_dtype_itself():
     """The new values are cast explicitly: no implicit unsafe scatter cast (JAX warns now and
     will raise later), the result keeps the cache's dtype."""

@@ -225,8 +225,8 @@ def default_model(tmp_path_factory):
 @pytest.mark.parametrize("ring", [False, True])
 def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_path_factory):
     """At a long context with continuous batching, every array a graph stores stays small:
-    the caches' spare slot and the empty run-id record are ops (ConstantOfShape), not
-    initializers (before: a [1, Hkv, T, D] spare row per cache, 1 GiB each at ctx 65,536)."""
+    no cache-sized fill and not the empty run-id record is stored as an initializer (once: a
+    [1, Hkv, T, D] spare row per cache, 1 GiB each at ctx 65,536)."""
     ctx_len = 4096
     out = tmp_path_factory.mktemp("long-ctx") / "out"
     options = dict(budgets=(), sliding_ring=ring, full_batch_size=2, seq_len=16, ctx_len=ctx_len)

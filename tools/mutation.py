@@ -35,7 +35,7 @@ FILES = ["README.md"]  # tests/test_blocking.py checks the README's table of mod
 
 # Module → the pytest arguments that select its tests (fast ones: they run once per mutant).
 MODULES = {
-    "ref/cache.py": ["tests/test_cache.py"],
+    "ref/cache.py": ["tests/test_cache.py", "tests/test_attention_export.py"],
     "ref/blocking.py": ["tests/test_blocking.py"],
     # Not the hypothesis sweep over random shapes nor the transformers comparison (minutes per
     # mutant under eager JAX); the numpy oracles, exact masks and the fixed-shape mode sweep.
