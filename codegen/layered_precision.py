@@ -16,7 +16,6 @@ Three passes over one specialization, each holding one layer's weights at a time
 """
 
 import dataclasses
-import os
 import tempfile
 
 import jax
@@ -34,8 +33,6 @@ from codegen.precision import (
 )
 from ref import numerics, validate
 from ref.gemma4.step import Logits
-
-SPILL_BYTES = 64 << 20  # a float32 reference output above this waits on disk, not in memory
 
 
 @dataclasses.dataclass
@@ -63,20 +60,9 @@ class _Graph:
         return lw.released(made, self.call_names(k), self.outputs, self.last_use, at)
 
 
-def _kept(x, spill):
-    """x as a numpy array; one over SPILL_BYTES written to a file in the folder `spill` and
-    mapped back (the layer outputs the later passes compare with are not all held)."""
-    x = np.asarray(x)
-    if x.nbytes <= SPILL_BYTES:
-        return x
-    path = os.path.join(spill, f"{len(os.listdir(spill))}.npy")
-    np.save(path, x)
-    return np.load(path, mmap_mode="r")
-
-
 def _exact(g, feed, spill):
-    """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones `_kept` in
-    the folder `spill`)."""
+    """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones
+    `layerwise.spilled` to the folder `spill`)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     got, calls = {}, []
 
@@ -90,7 +76,7 @@ def _exact(g, feed, spill):
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         for n, v in zip(g.call_names(k), made, strict=True):
             if n in g.outputs:
-                got[n] = _kept(v, spill)
+                got[n] = lw.spilled(v, spill)
         made = g.released(k, made)
         lw.give_back()
         return slot.outputs(arrays, made)

@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import os
 import re
+import tempfile
 import time
 
 import flax.linen as nn
@@ -42,6 +43,7 @@ RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
 SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
 ERROR_CHUNK = 1 << 24  # elements compared at a time (a 1 GiB cache: 64 chunks of 128 MiB)
 VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 8 slices)
+SPILL_BYTES = 64 << 20  # a `ref` result above this waits on disk while it is not read (`spilled`)
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
 
@@ -602,6 +604,22 @@ def aligned(x, align=64, dtype=None):
     return out
 
 
+def spilled(x, folder):
+    """x, or when over SPILL_BYTES a read-only numpy copy mapped from a file in `folder`
+    that is unlinked at once (the mapping keeps its bytes): the page cache holds it, and may
+    drop it, not the process, until it is read. For `ref`'s large results while onnxruntime
+    runs the same layer (a 31B full layer's written caches: 1 GiB)."""
+    if x.nbytes <= SPILL_BYTES:
+        return x
+    fd, path = tempfile.mkstemp(prefix=".spill.", suffix=".npy", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, np.asarray(x))
+        return np.load(path, mmap_mode="r")
+    finally:
+        os.remove(path)
+
+
 def give_back():
     """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
     nothing): a layer's buffers below glibc's mmap threshold are otherwise kept by the
@@ -654,6 +672,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         where = f"layer {k} ({kind})"
         weights = list(zip(_layer_names(names, module), host, strict=True))
         del params, host
+        made = [spilled(m, folder) for m in made]  # on disk while onnxruntime runs the layer
         glue, ours = runner.layer(k, kind, given, weights, made)
         del weights, given
         for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):

@@ -62,6 +62,7 @@ def _vision_forward(cfg, prefix, names, use_functions, embed, *, tiles, per_item
                 config=cfg,
                 cu_seqlens=cu_seqlens(segment_ids) if per_item else None,
                 tiles=tiles,
+                keep_states=False,
             )
         return (out["embeds"] if embed else out["pooled"],)
 

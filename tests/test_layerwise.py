@@ -13,7 +13,7 @@ import shutil
 import onnx
 import pytest
 
-from codegen import graphs
+from codegen import graphs, layerwise
 from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
@@ -118,8 +118,6 @@ def copy(out, tmp_path):
 
 def _spy_bound(monkeypatch):
     """The checkpoint names of the weights each layer call was fed from `ref` (bound)."""
-    from codegen import layerwise
-
     calls, plain = [], layerwise.bound_weights
 
     def spy(seg, n_arrays, weights, *rest):
@@ -294,7 +292,9 @@ def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
     """Without continuous batching (the blocked prefill) every cache is drawn once, just
     before its layer: when layer k is checked, exactly the caches of the cache-owning layers up
     to k have been drawn (before: all drawn with the sample, 10 GiB of float32 for the 31B at
-    ctx 65,536), and the verdict is the whole graph's."""
+    ctx 65,536), and the verdict is the whole graph's, also with every result of `ref` on disk
+    while onnxruntime runs its layer (`layerwise.spilled`)."""
+    monkeypatch.setattr(layerwise, "SPILL_BYTES", 0)
     events, log = _cache_draws(monkeypatch)
     # the decode graph without continuous batching is drawn layer by layer in the audit below
     layered = verify(single, seed=6, layerwise_given=True, log=log, graphs=["prefill"])
@@ -309,10 +309,9 @@ def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypat
     """`verify --precision` layer by layer on the decode graph without continuous batching
     (caches drawn inside the passes, the float32 outputs kept on disk past SPILL_BYTES) gives
     the whole-graph report: same layers and peaks, errors within 1e-4."""
-    from codegen import layered_precision
     from codegen.precision import verify_precision
 
-    monkeypatch.setattr(layered_precision, "SPILL_BYTES", 0)
+    monkeypatch.setattr(layerwise, "SPILL_BYTES", 0)
     events, log = _cache_draws(monkeypatch)
     layered, whole = (
         verify_precision(single, "fp16", kv_dtype="mxint8", seed=2, layerwise_given=given,

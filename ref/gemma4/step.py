@@ -108,7 +108,7 @@ def apply_step(
         cache = dict(cache, **take_rows(records, slots))
     check_step(config, cache if slots is None else seen, input_ids, position_ids,
                vision_embeds, image_idx)  # fmt: skip
-    model = TextModel(config).apply(
+    model = TextModel(config, keep_states=return_hidden).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention,
         slots,
     )  # fmt: skip

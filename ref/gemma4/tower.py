@@ -26,14 +26,16 @@ def tower_apply(
     config,
     cu_seqlens=None,
     tiles=(1, 1),
+    keep_states=True,
 ):
     """The packed tower (not compiled; `tower_forward` is its jit); `embed_params=None` skips
     embed_vision; tiles: (query tiles, KV tiles) of the masked attention (without cu_seqlens).
 
     patches: [N, 3·p·p]; positions: [N, 2]; segment_ids: [N]; pool_index: [M, k²] →
-    {"pooled": [M, D], "hidden_states": L+1 × [N, D], "embeds": [M, text_hidden] or absent}.
+    {"pooled": [M, D], "hidden_states": L+1 × [N, D] (() unless keep_states), "embeds":
+    [M, text_hidden] or absent}.
     """
-    out = VisionModel(config, cu_seqlens, tiles).apply(
+    out = VisionModel(config, cu_seqlens, tiles, keep_states).apply(
         {"params": params}, patches, positions, segment_ids, pool_index
     )
     if embed_params is not None:
@@ -41,7 +43,9 @@ def tower_apply(
     return out
 
 
-tower_forward = jax.jit(tower_apply, static_argnames=("config", "cu_seqlens", "tiles"))
+tower_forward = jax.jit(
+    tower_apply, static_argnames=("config", "cu_seqlens", "tiles", "keep_states")
+)
 
 
 def checkpoint_loader():

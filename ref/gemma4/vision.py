@@ -225,16 +225,19 @@ class Layers(nn.Module):
     config: VisionConfig
     cu_seqlens: tuple | None = None
     tiles: tuple = (1, 1)
+    keep_states: bool = True
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
-        """x: [N, D] → (x [N, D], hidden states: tuple of L+1 arrays [N, D])."""
-        states = [x]
+        """x: [N, D] → (x [N, D], hidden states: tuple of L+1 arrays [N, D], or () unless
+        keep_states)."""
+        states = [x] if self.keep_states else None
         for i in range(self.config.num_hidden_layers):
             layer = EncoderLayer(self.config, self.cu_seqlens, self.tiles, name=str(i))
             x = layer(x, positions, segment_ids)
-            states.append(x)
-        return x, tuple(states)
+            if states is not None:
+                states.append(x)
+        return x, () if states is None else tuple(states)
 
 
 class PatchEmbedder(nn.Module):
@@ -261,10 +264,11 @@ class Encoder(nn.Module):
     config: VisionConfig
     cu_seqlens: tuple | None = None
     tiles: tuple = (1, 1)
+    keep_states: bool = True
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
-        layers = Layers(self.config, self.cu_seqlens, self.tiles, name="layers")
+        layers = Layers(self.config, self.cu_seqlens, self.tiles, self.keep_states, name="layers")
         return layers(x, positions, segment_ids)
 
 
@@ -273,18 +277,20 @@ class VisionModel(nn.Module):
 
     __call__(patches [N, 3·p·p], positions [N, 2], segment_ids [N], pool_index [M, k²]) →
     dict with "pooled" [M, D] (HF's last_hidden_state, in the input dtype) and
-    "hidden_states" (embeddings then every layer's output, [N, D] each).
+    "hidden_states" (embeddings then every layer's output, [N, D] each; () unless
+    keep_states: an eager caller holds them all otherwise).
     """
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
     tiles: tuple = (1, 1)
+    keep_states: bool = True
 
     @nn.compact
     def __call__(self, patches, positions, segment_ids, pool_index):
         c = self.config
         x = PatchEmbedder(c, name="patch_embedder")(patches, positions)
-        encoder = Encoder(c, self.cu_seqlens, self.tiles, name="encoder")
+        encoder = Encoder(c, self.cu_seqlens, self.tiles, self.keep_states, name="encoder")
         x, states = encoder(x, positions, segment_ids)
         pooled = pool(x, pool_index, math.sqrt(c.hidden_size))
         if c.standardize:
