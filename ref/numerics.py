@@ -8,7 +8,8 @@ in float32 and rounds at the end (measured here: XLA:CPU's own float16 `dot` equ
 float32 dot rounded, 12,800 of 12,800 values), and an elementwise op is IEEE-rounded. A norm
 or a softmax is not one operation in the exported graph: `x·x`, its mean, the `rsqrt`, the
 `exp`, each is a tensor, each rounded — so `x·x` of an RMSNorm overflows float16 once
-|x| > 255.9, whatever `ref.layers.rms_norm` does in float32 when called on float16 arrays.
+|x| > 255.9, whatever `ref.layers.rms_norm` does in float32 when called on float16 arrays. A
+mean is one operation (the graph's ReduceMean), so the sum inside it is not a tensor (`_means`).
 `emulate` applies this model to the jaxpr of the float32 function, operation by operation;
 running `ref` on float16 arrays instead would keep its float32 islands (`rms_norm`, the vision
 pooling and standardize, `attend`'s softmax) that a graph-level conversion does not have.
@@ -230,6 +231,44 @@ def _last_uses(jaxpr):
     return last
 
 
+def _means(jaxpr):
+    """Indices of the equations that make a mean's sum: a `reduce_sum` read only (through
+    `broadcast_in_dim`/`reshape` alone) by a `div` by its element count, a literal. The
+    exported graph computes that mean as one ReduceMean (jax2onnx lowers `jnp.mean` so), which
+    the device accumulates at float32 and rounds once: its sum is no tensor there, so it is
+    neither rounded nor recorded here (an RMSNorm's sum of squares of a [.., 1536] row passes
+    65,504 long before its mean does)."""
+    readers, outs = {}, {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal):
+                readers.setdefault(v, []).append(i)
+
+    def only_reader(v):
+        found = readers.get(v, [])
+        return None if v in outs or len(found) != 1 else found[0]
+
+    means = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "reduce_sum":
+            continue
+        shape = eqn.invars[0].aval.shape
+        count = int(np.prod([shape[a] for a in eqn.params["axes"]]))
+        chain, v, j = [i], eqn.outvars[0], only_reader(eqn.outvars[0])
+        while j is not None and jaxpr.eqns[j].primitive.name in ("broadcast_in_dim", "reshape"):
+            chain.append(j)
+            v = jaxpr.eqns[j].outvars[0]
+            j = only_reader(v)
+        if j is None:
+            continue
+        div = jaxpr.eqns[j]
+        by = div.invars[1]
+        if (div.primitive.name == "div" and div.invars[0] is v and isinstance(by, core.Literal)
+                and np.ndim(by.val) == 0 and float(by.val) == count):  # fmt: skip
+            means.update(chain)
+    return means
+
+
 def _all_finite(x):
     return not _is_float(x) or validate.all_finite(x)
 
@@ -255,7 +294,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
         return finite[v]
 
     jaxpr = closed.jaxpr
-    last = _last_uses(jaxpr)
+    last, means = _last_uses(jaxpr), _means(jaxpr)
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = round_to(c, precision)
     for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
@@ -274,6 +313,8 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
                 round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
                 for o in eqn.params["fn"](*ins)
             ]
+        elif i in means:  # a mean's sum: float32, as the device's ReduceMean (`_means`)
+            outs = [eqn.primitive.bind(*ins, **eqn.params)]
         else:
             outs = eqn.primitive.bind(*ins, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]

@@ -134,6 +134,45 @@ def test_emulate_rounds_every_operation_and_probe_names_the_first_overflow():
     assert [r.nonfinite for r in records] == [False, True, False, False]
 
 
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([512, 1536]))
+def test_a_mean_is_one_device_operation_as_in_the_graph(seed, width):
+    """An RMSNorm whose rows' sums of squares pass float16's 65,504 while their means do not
+    (|x| in [60, 250]): the graph computes the mean as one ReduceMean, so the ONNX device model
+    (`codegen.precision.device_graph`, a Cast pair after every tensor, run in onnxruntime)
+    stays finite, and `ref`'s device model must too, agreeing to two float16 steps (the graph
+    takes rsqrt as Sqrt then Div: one rounding more). Before, `ref` rounded the sum and turned
+    non-finite at `reduce_sum` (the E2B prefill audit's `layers.12.input_layernorm`). A sum
+    read by anything but its mean's division stays a tensor, rounded and recorded."""
+    import onnxruntime as ort
+    from jax2onnx import to_onnx
+
+    from codegen.precision import device_graph
+    from ref.layers import rms_norm
+
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(60, 250, (3, width)) * rng.choice([-1, 1], (3, width))).astype(np.float32)
+    w = rng.uniform(0.5, 2, width).astype(np.float32)
+    fn = partial(rms_norm, eps=1e-6)
+    got, records = numerics.probe(fn, "fp16", x, w)
+    assert not any(r.nonfinite for r in records), [r for r in records if r.nonfinite]
+    assert "reduce_sum" not in {r.primitive for r in records}
+    spec = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w)]
+    model, _, _ = device_graph(to_onnx(fn, spec), "float16")
+    session = ort.InferenceSession(model.SerializeToString())
+    names = [i.name for i in session.get_inputs()]
+    (want,) = session.run([session.get_outputs()[0].name], dict(zip(names, (x, w), strict=True)))
+    assert np.isfinite(want).all()
+    assert np.abs(np.asarray(got) - want).max() <= 2 * 2.0**-10 * np.abs(want).max()
+
+    def kept(x):  # the sum also read elsewhere: no mean
+        total = jnp.sum(x * x, axis=-1, keepdims=True)
+        return total / width + total
+
+    _, records = numerics.probe(kept, "fp16", x)
+    assert any(r.primitive == "reduce_sum" and r.nonfinite for r in records)
+
+
 @pytest.fixture(scope="module")
 def default_model():
     from codegen.defaults import default_checkpoint
