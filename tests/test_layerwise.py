@@ -49,11 +49,33 @@ def _bad(rows):
 def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     """...with continuous batching (3 slots) too, each cache drawn when its layer is reached:
     each layer takes and puts back its slots' rows (before, the step took every slot's rows
-    before the first layer, so all caches were drawn up front)."""
+    before the first layer, so all caches were drawn up front). No layer's output outlives
+    it: as many jax arrays of the hidden width are alive after each graph's last layer as
+    after its second (before, the decoder and the vision tower kept every layer's output for `hidden_states`:
+    21 MiB per 31B prefill layer, 1.3 GB by its last)."""
+    import jax
+
     whole = verify(out, seed=2, layerwise_given=False)
     events, log = _cache_draws(monkeypatch)
+    alive, plain = {}, layerwise.give_back
+
+    def spy():  # after each layer
+        plain()
+        line = next(what for kind, what in reversed(events) if kind == "log")
+        graph = line.removeprefix("verify ").split()[0].rstrip(":")
+        width = widths[graph]
+        hidden = [a for a in jax.live_arrays() if a.ndim >= 2 and a.shape[-1] == width]
+        alive.setdefault(graph, []).append(len(hidden))
+
+    config = open_checkpoint(out).config
+    text, vision = text_config(config).hidden_size, config["vision_config"]["hidden_size"]
+    widths = {"vision": vision, "prefill": text, "decode": text}
+    monkeypatch.setattr(layerwise, "give_back", spy)
     layered = verify(out, seed=2, layerwise_given=True, log=log)
     monkeypatch.undo()
+    assert alive.keys() == set(LAYERED), alive.keys()
+    for graph, counts in alive.items():
+        assert len(counts) > 2 and counts[-1] <= counts[1], (graph, counts)
     owners = cache_owners(text_config(open_checkpoint(out).config))
     assert _drawn_at_their_layers(events, owners) == ["prefill", "decode"]
     assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
@@ -338,24 +360,3 @@ def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypat
         assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
     for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
         assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
-
-
-def test_no_layer_output_outlives_its_layer(out, monkeypatch):
-    """Layer by layer, `ref` holds no earlier layer's output: as many jax arrays are alive
-    after the last layer of the vision tower and of the decoder as after their second (before:
-    both kept every layer's output for `hidden_states`, 21 MiB per 31B prefill layer, 1.3 GB
-    by its last)."""
-    import jax
-
-    counts = {}
-    plain = layerwise.give_back
-
-    def spy():
-        plain()
-        counts.setdefault(graph, []).append(len(jax.live_arrays()))
-
-    monkeypatch.setattr(layerwise, "give_back", spy)
-    for graph in ("vision", "prefill"):
-        rows = verify(out, seed=3, layerwise_given=True, graphs=[graph])
-        assert not _bad(rows), _bad(rows)
-        assert len(counts[graph]) > 2 and counts[graph][-1] <= counts[graph][1], counts
