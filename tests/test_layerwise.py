@@ -51,8 +51,8 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     each layer takes and puts back its slots' rows (before, the step took every slot's rows
     before the first layer, so all caches were drawn up front). No layer's output outlives
     it: as many jax arrays of the hidden width are alive after each graph's last layer as
-    after its second (before, the decoder and the vision tower kept every layer's output for `hidden_states`:
-    21 MiB per 31B prefill layer, 1.3 GB by its last)."""
+    after its second (before, the decoder and the vision tower kept every layer's output for
+    `hidden_states`: 21 MiB per 31B prefill layer, 1.3 GB by its last)."""
     import jax
 
     whole = verify(out, seed=2, layerwise_given=False)
