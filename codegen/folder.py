@@ -5,6 +5,7 @@ Imports onnx, onnxruntime and the folder's integrity check only — not the expo
 so `codegen run` and `serve` load without it (a test keeps it so).
 """
 
+import ctypes
 import json
 import os
 
@@ -17,6 +18,16 @@ from codegen.integrity import check_folder
 MANIFEST = "manifest.json"
 # what export writes as manifest["format"]; a folder in another format is refused by name
 FORMAT = "gemma4-qaic-export/1"
+
+
+MMAP_BYTES = 1 << 20  # blocks from this size on are mapped, and unmapped when freed
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+try:
+    LIBC = ctypes.CDLL("libc.so.6")
+    LIBC.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    LIBC = None
 
 
 class VerifyError(ValueError):
@@ -53,7 +64,19 @@ def options():
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    _fixed_mmap_threshold()
     return opts
+
+
+def _fixed_mmap_threshold():
+    """glibc only: every block of MMAP_BYTES or more is mapped, and unmapped when freed. By
+    default glibc raises its threshold to each freed mapped block's size (up to 32 MiB); after
+    that a graph's 16–36 MiB tensors come from the heap, which keeps its freed holes, and a
+    run of many such tensors grows without bound: the E2B prefill's full layer as the fp16
+    audit runs it (38,904 nodes, no tensor over 36 MiB) reached 6.22 GB at ctx 8192 and was
+    killed past 17 GB at 65,536; with the threshold fixed, 1.61 GB at ctx 8192."""
+    if LIBC is not None:
+        LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)
 
 
 def session_at(model, path):

@@ -16,7 +16,6 @@ The dense attention of `ref` runs one slice of queries at a time (`sliced_refere
 scores stay near `SCORE_BYTES` at any context length.
 """
 
-import ctypes
 import dataclasses
 import os
 import re
@@ -32,7 +31,7 @@ from onnx import helper
 
 from codegen import graphs
 from codegen.external import WeightError, onnx_dtype
-from codegen.folder import session_at
+from codegen.folder import LIBC, session_at
 from ref.attention import reference
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
@@ -46,13 +45,6 @@ VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 
 SPILL_BYTES = 64 << 20  # a `ref` result above this waits on disk while it is not read (`spilled`)
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim  # noqa: B018 (glibc only)
-except (OSError, AttributeError):
-    _LIBC = None
 
 
 class LayerwiseError(ValueError):
@@ -624,8 +616,8 @@ def give_back():
     """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
     nothing): a layer's buffers below glibc's mmap threshold are otherwise kept by the
     process, and its resident size creeps up layer after layer."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
 
 
 def layered_reference(spec, checkpoint, feed, hook):
