@@ -28,7 +28,6 @@ def scatter(cache, new, slots):
             f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and slots [B, S]; "
             f"got new {new.shape}, slots {slots.shape}"
         )
-    # Shapes may be symbolic at export (batch, seq_len): iota instead of arange.
     return _write(cache, 2, slots[:, None, :], new)
 
 
