@@ -2,6 +2,8 @@
 XLA compile settings of the default run, and the order that balances `make test`'s workers."""
 
 import os
+import shutil
+import tempfile
 
 # The default run compiles thousands of small XLA programs and runs each a few times: compile
 # time is most of it, and XLA's backend optimizations cost more than they save (measured
@@ -14,6 +16,16 @@ if not LONG:
     os.environ["XLA_FLAGS"] = (
         f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
     )
+
+# One XLA compilation cache per run, shared by its workers: the same small programs (one
+# primitive on one tiny shape, a layer of the default model) are compiled again by many
+# tests, in both workers, and by functions jitted anew. Keyed by the program and XLA's
+# flags, so a hit is the very executable a compile would give.
+RUN = os.environ.setdefault("GEMMA4_QAIC_TEST_RUN", str(os.getpid()))  # workers inherit it
+CACHE = os.path.join(tempfile.gettempdir(), f"gemma4-qaic-xla-{RUN}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -46,22 +58,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # slowest modules first keeps both workers busy to the end; order measured on this 2-core
 # machine (docs/testing.md), the rest follow in file order.
 SLOWEST_FIRST = [
+    "test_layerwise.py",
     "test_codegen.py",
     "test_attention.py",
     "test_precision.py",
     "test_model_export.py",
-    "test_codegen_checks.py",
     "test_vision.py",
-    "test_layerwise.py",
-    "test_cache.py",
-    "test_text.py",
     "test_generate.py",
+    "test_text.py",
     "test_mesh.py",
+    "test_cache.py",
+    "test_codegen_checks.py",
     "test_vision_export_tiles.py",
+    "test_photo_run.py",
     "test_serve.py",
+    "test_hostile_input.py",
 ]
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_sessionfinish(session):
+    """The run's compilation cache goes with the run (removed by the process that named it:
+    the controller, or a run without workers)."""
+    if RUN == str(os.getpid()):
+        shutil.rmtree(CACHE, ignore_errors=True)
