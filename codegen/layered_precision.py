@@ -18,12 +18,15 @@ Three passes over one specialization, each holding one layer's weights at a time
 import dataclasses
 import tempfile
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from codegen import graphs
 from codegen import layerwise as lw
+from codegen import segments as sg
+from codegen.folder import give_back
 from codegen.precision import (
     device_graph,
     first_nonfinite_onnx,
@@ -33,6 +36,7 @@ from codegen.precision import (
 )
 from ref import numerics, validate
 from ref.gemma4.step import Logits
+from ref.numerics import aval, host_call
 
 
 @dataclasses.dataclass
@@ -55,9 +59,9 @@ class _Graph:
         return list(self.calls[k].nodes[-1].output)
 
     def released(self, k, made):
-        """`layerwise.released` for layer call k."""
+        """`segments.released` for layer call k."""
         at = self.segments.index(self.calls[k])
-        return lw.released(made, self.call_names(k), self.outputs, self.last_use, at)
+        return sg.released(made, self.call_names(k), self.outputs, self.last_use, at)
 
 
 def _exact(g, feed, spill):
@@ -70,7 +74,7 @@ def _exact(g, feed, spill):
         k = len(calls)
         calls.append(k)
         arrays = [jax.device_put(graphs.drawn(a)) for a in arrays]
-        params = lw._layer_weights(names, checkpoint, module)
+        params = lw.layer_weights(names, checkpoint, module)
         made, out_map, tree = slot.results([*arrays, *params])
         del params
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
@@ -78,7 +82,7 @@ def _exact(g, feed, spill):
             if n in g.outputs:
                 got[n] = lw.spilled(v, spill)
         made = g.released(k, made)
-        lw.give_back()
+        give_back()
         return slot.outputs(arrays, made)
 
     want = lw.layered_reference(spec, checkpoint, feed, hook)
@@ -112,7 +116,7 @@ class _OnnxProbe:
 def _onnx_device(g, folder, feed, precision, exact, store, log):
     """Pass 2: (peak |x|, first non-finite name or None, {output: relative error})."""
     probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
-    runner = lw.Runner(
+    runner = sg.Runner(
         g.model, folder, feed, g.spec.head, g.checkpoint,
         rewrite=lambda m: device_graph(m, precision), probe=probe,
     )  # fmt: skip
@@ -125,7 +129,7 @@ def _onnx_device(g, folder, feed, precision, exact, store, log):
 def _param_avals(names, checkpoint, module):
     return [
         jax.ShapeDtypeStruct(tuple(checkpoint.tensors[n].shape), jnp.float32)
-        for n in lw._layer_names(names, module)
+        for n in lw.layer_names(names, module)
     ]
 
 
@@ -153,12 +157,12 @@ def _ref_device(g, feed, precision, exact, store, log):
             distinct, found["map"], found["tree"] = slot.results(list(a))
             return distinct
 
-        avals = [lw.aval(x.shape, x.dtype) for x in jax.eval_shape(results, *arrays, *params)]
+        avals = [aval(x.shape, x.dtype) for x in jax.eval_shape(results, *arrays, *params)]
         slot = dataclasses.replace(slot, out_map=found["map"], out_tree=found["tree"])
         path = ".".join(module.path)
 
         def run(*concrete):
-            weights = lw._layer_weights(names, checkpoint, module)
+            weights = lw.layer_weights(names, checkpoint, module)
             start = len(records)
             made, _ = numerics.probe(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
@@ -171,15 +175,15 @@ def _ref_device(g, feed, precision, exact, store, log):
                     errors[n] = lw.error(store(n, v), exact[n])[1]
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
             made = g.released(k, made)
-            lw.give_back()
+            give_back()
             return made
 
-        made = lw.host_call(run, avals, *arrays)
+        made = host_call(run, avals, *arrays)
         return slot.outputs(list(arrays), made)
 
     args = [feed[t.name] if t.name in spec.lazy else graphs.drawn(feed[t.name])
             for t in spec.inputs]  # fmt: skip
-    args += lw._weights(spec, checkpoint).values()
+    args += lw.deferred_weights(spec, checkpoint).values()
     lazy = {j: a for j, a in enumerate(args) if isinstance(a, graphs.Drawn)}
 
     def fn(*given):  # the `Drawn` inputs reach their layers as they are, not traced
@@ -189,8 +193,8 @@ def _ref_device(g, feed, precision, exact, store, log):
     with (
         graphs.layer_scope(),
         graphs.layer_check(hook),
-        lw.nn.intercept_methods(lw._gather_rows(names, checkpoint)),
-        lw.nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
+        nn.intercept_methods(lw.gather_rows(names, checkpoint)),
+        nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
     ):
         given = [a for j, a in enumerate(args) if j not in lazy]
         out, _ = numerics.probe(fn, precision, *given, records=records)
@@ -205,11 +209,11 @@ def _drawn_here(x):
     the layer that reads it; any other argument as it is."""
     if not isinstance(x, graphs.Drawn):
         return x
-    return lw.host_call(lambda: [x.value()], [lw.aval(x.shape, x.dtype)])[0]
+    return host_call(lambda: [x.value()], [aval(x.shape, x.dtype)])[0]
 
 
 def _head_call(name, checkpoint, precision, records):
-    """`layerwise._head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
+    """`layerwise.head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
     rows of the head at a time, recorded under "Logits"."""
 
     def interceptor(next_fun, args, kwargs, context):
@@ -222,14 +226,14 @@ def _head_call(name, checkpoint, precision, records):
 
         def run(x):
             parts = []
-            for rows in lw.head_rows(checkpoint, name):
+            for rows in sg.head_rows(checkpoint, name):
                 start = len(records)
                 fn = Logits(cap=module.cap).apply
                 parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])
                 _prefixed(records, start, "Logits")
             return [jnp.concatenate(parts, axis=-1)]
 
-        (got,) = lw.host_call(run, [lw.aval((*hidden.shape[:-1], vocab))], hidden)
+        (got,) = host_call(run, [aval((*hidden.shape[:-1], vocab))], hidden)
         return got
 
     return interceptor
@@ -240,7 +244,7 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
     |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
     or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
     stored as `kv`); kv: the KV storage format or None."""
-    segs, last_use = lw.segments(model)
+    segs, last_use = sg.segments(model)
     g = _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
     retained = {b for _, b in spec.retained}
 

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from codegen import attention_graph, graphs, layerwise, model_graphs, vision_graph
+from codegen import attention_graph, graphs, layerwise, model_graphs, segments, vision_graph
 from codegen.folder import VerifyError, load_graph, open_session, read_manifest
 from weights import open_checkpoint
 
@@ -114,7 +114,7 @@ def way(spec, entry, model, checkpoint, layerwise_given=None):
     everything else whole."""
     if layerwise_given is False or entry["kind"] not in ("vision", "prefill", "decode"):
         return "whole"
-    if not layerwise.has_layers(model):
+    if not segments.has_layers(model):
         return "whole"
     if layerwise_given or float32_bytes(spec, checkpoint) > LAYERWISE_BYTES:
         return "layers"

@@ -13,7 +13,7 @@ import shutil
 import onnx
 import pytest
 
-from codegen import graphs, layerwise
+from codegen import graphs, layerwise, segments
 from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
@@ -140,7 +140,7 @@ def copy(out, tmp_path):
 
 def _spy_bound(monkeypatch):
     """The checkpoint names of the weights each layer call was fed from `ref` (bound)."""
-    calls, plain = [], layerwise.bound_weights
+    calls, plain = [], segments.bound_weights
 
     def spy(seg, n_arrays, weights, *rest):
         seg2, bound = plain(seg, n_arrays, weights, *rest)
@@ -156,7 +156,7 @@ def _spy_bound(monkeypatch):
         )
         return seg2, bound
 
-    monkeypatch.setattr(layerwise, "bound_weights", spy)
+    monkeypatch.setattr(segments, "bound_weights", spy)
     return calls
 
 
@@ -209,18 +209,16 @@ def test_cli_prints_which_way_and_each_layer(out, capsys):
 
 
 def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeypatch):
-    from codegen import layerwise
-
-    monkeypatch.setattr(layerwise, "VOCAB_ROWS", 50)  # the default model's 256 rows: 6 slices
+    monkeypatch.setattr(segments, "VOCAB_ROWS", 50)  # the default model's 256 rows: 6 slices
     sliced = []
-    plan = layerwise.vocab_slices
+    plan = segments.vocab_slices
 
     def spy(*args):
         found = plan(*args)
         sliced.append(found is not None)
         return found
 
-    monkeypatch.setattr(layerwise, "vocab_slices", spy)
+    monkeypatch.setattr(segments, "vocab_slices", spy)
     rows = verify(out, seed=5, layerwise_given=True, graphs=["prefill", "decode"])
     assert not _bad(rows), _bad(rows)
     assert sum(sliced) == 2  # the logits of prefill (one budget) and decode
