@@ -2,9 +2,10 @@
 
 `attend` is the one dense kernel; `reference` is `attend` under the Gemma 4 `mask`; `blocked`
 computes the same numbers block by block with the online-softmax state (m, l, O) — row max,
-softmax denominator, unnormalized output — in Python-unrolled loops over static slices, so an
-export has no Loop op and a compiler that runs the blocks in order holds one block's scores at a
-time (`ordered=True` enforces that order on schedulers that do not, such as XLA:CPU).
+softmax denominator, unnormalized output; `ref.online_softmax` — in Python-unrolled loops over
+static slices, so an export has no Loop op and a compiler that runs the blocks in order holds one
+block's scores at a time (`ordered=True` enforces that order on schedulers that do not, such as
+XLA:CPU).
 
 Inside, queries are grouped by kv head: `q [B, H, S, D]` is viewed as `[B, Hkv, g, S, D]`
 (kv head j serves query heads j·g … j·g+g−1), masks as `[B, 1 | Hkv, 1 | g, S, T]`.
@@ -16,104 +17,10 @@ import weakref
 import jax
 import jax.numpy as jnp
 
+from ref import online_softmax as osm
 from ref import validate
 from ref.blocking import BlockingConfig
 from ref.sharding import auto_axes
-
-
-def _acc_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _grouped_mask(mask, hkv, g):
-    """A mask broadcastable to [B, H, S, T] as one broadcastable to [B, Hkv, g, S, T]."""
-    mask = jnp.asarray(mask)
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    if mask.shape[1] == 1:
-        return mask[:, :, None]
-    return jnp.broadcast_to(mask, (mask.shape[0], hkv * g, *mask.shape[2:])).reshape(
-        mask.shape[0], hkv, g, *mask.shape[2:]
-    )
-
-
-def _step(state, q, k, v, mask, *, scale, softcap):
-    """One online-softmax update of (m, l, O) with a KV block; `state` None starts afresh.
-
-    q: [B, Hkv, g, S, D]; k, v: [B, Hkv, Tb, D]; mask: bool broadcastable to
-    [B, Hkv, g, S, Tb]; state: (m, l [B, Hkv, g, S, 1], O [B, Hkv, g, S, D]) in float32 (float64
-    for float64 q). `m' = max(m, rowmax S)`, `p = exp(S − m')`, `l' = l·e^(m−m') + Σp`,
-    `O' = O·e^(m−m') + p·V`, with masked scores out of both max and sum: a row that has seen no
-    key keeps m = −inf, l = 0, O = 0.
-    """
-    acc = _acc_dtype(q.dtype)
-    kt = jnp.swapaxes(k.astype(q.dtype), -1, -2)[:, :, None]
-    scores = jnp.matmul(q, kt) * jnp.asarray(scale, q.dtype)
-    scores = scores.astype(acc)
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    scores = jnp.where(mask, scores, -jnp.inf)
-    # lax, not jnp.max: jnp refuses a reduction over a symbolic (maybe empty) block of keys
-    m_new = jax.lax.reduce_max(scores, (scores.ndim - 1,))[..., None]
-    if state is not None:
-        m_new = jnp.maximum(state[0], m_new)
-    shift = _shift(m_new)
-    p = jnp.where(mask, jnp.exp(scores - shift), 0.0)
-    pv = jnp.matmul(p.astype(q.dtype), v.astype(q.dtype)[:, :, None]).astype(acc)
-    return _carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
-
-
-def _carry(state, m_new, shift, l_new, pv):
-    """(m, l, O) after one block with row max m_new (the running max), shift `_shift(m_new)`,
-    its exp-sums l_new and its p·V: those alone for a fresh state, else the old state rescaled by
-    e^(m − shift) plus them."""
-    if state is None:
-        return m_new, l_new, pv
-    m, denom, o = state
-    alpha = jnp.exp(m - shift)
-    return m_new, denom * alpha + l_new, o * alpha + pv
-
-
-def _shift(m):
-    """What exp() subtracts for row maxima m: m, or 0 where a row has seen no key (m = −inf),
-    so that exp(−inf − shift) = 0. Not `max(m, lowest float32)`: on a float16 device that
-    constant rounds to −inf and −inf − (−inf) is NaN (`verify --precision fp16` named it)."""
-    return jnp.where(m > -jnp.inf, m, 0.0)
-
-
-def _merge(states):
-    """Combine (m, l, O) states (m, l [..., R, 1], O [..., R, D]) of disjoint KV pieces computed
-    independently (head-parallel), stacked on a new axis as QEfficient's prefill merge does: a
-    handful of operations however many pieces."""
-    m = jnp.concatenate([m for m, _, _ in states], axis=-1)
-    denom = jnp.concatenate([denom for _, denom, _ in states], axis=-1)
-    o = jnp.concatenate([o.reshape(*o.shape[:-1], 1, o.shape[-1]) for _, _, o in states], -2)
-    m_all = jnp.max(m, axis=-1, keepdims=True)
-    weights = jnp.exp(m - _shift(m_all))
-    l_all = jnp.sum(weights * denom, axis=-1, keepdims=True)
-    o_all = jnp.sum(weights.reshape(*weights.shape, 1) * o, axis=-2)
-    return m_all, l_all, o_all
-
-
-def after(state, *xs):
-    """xs, made to depend on the whole of an online-softmax `state` without changing a value.
-
-    state: (m, l, O); xs: arrays → tuple of each x + 0·max(l), cast to x's dtype. Exact: l is
-    finite, non-negative and at most the number of keys seen, so the product is 0 in float16 too
-    (a sum of l over rows instead overflowed float16 at 420 queries of 420 keys: 0·inf = NaN). A
-    max over all of l, not one element, so no simplifier can shrink the dependency to part of the
-    block before: a scheduler that starts every independent matmul early (XLA:CPU does, and
-    strips optimization barriers; onnxruntime too) still holds one block's scores at a time.
-    """
-    denom = state[1]
-    # lax, not jnp.max: jnp refuses a reduction over a symbolic (maybe empty) block
-    zero = jax.lax.reduce_max(denom, tuple(range(denom.ndim))) * 0
-    return tuple(x + zero.astype(x.dtype) for x in xs)
-
-
-def _finish(state, dtype):
-    """O / l, zeros where no key was visible → [..., S, D] in dtype."""
-    _, denom, o = state
-    return (o / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
 
 
 def attend(q, k, v, mask, *, scale=1.0, softcap=None):
@@ -128,9 +35,9 @@ def attend(q, k, v, mask, *, scale=1.0, softcap=None):
     if h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of kv heads {hkv}")
     g = h // hkv
-    m = _grouped_mask(mask, hkv, g)
-    state = _step(None, q.reshape(b, hkv, g, s, d), k, v, m, scale=scale, softcap=softcap)
-    return _finish(state, q.dtype).reshape(b, h, s, d)
+    m = osm.grouped_mask(mask, hkv, g)
+    state = osm.step(None, q.reshape(b, hkv, g, s, d), k, v, m, scale=scale, softcap=softcap)
+    return osm.finish(state, q.dtype).reshape(b, h, s, d)
 
 
 def mask(q_pos, kv_pos, *, sliding_window=None, q_group=None, kv_group=None):
@@ -233,12 +140,12 @@ def _tile(state, q, kt, v, bias, *, scale, softcap):
     q: [B, Hb, R·S, D] (R query heads of each of Hb kv heads × S queries, head-major); kt: the
     tile's keys transposed [B, Hb, D, T]; v: [B, Hb, T, D]; bias: [B, 1 | Hb, 1, S, T] (`_bias`),
     0 where a key is visible and −inf where not; state: (m, l [B, Hb, R·S, 1], O [B, Hb, R·S, D])
-    in the accumulation dtype, or None. The recurrence of `_step` in the shapes an export wants:
-    plain matmuls with nothing broadcast (GQA rows share their kv head's K, never a copy of it),
-    the mask as one add (x + 0 = x, and exp(−inf − shift) = 0 drops a masked key from max and sum
-    exactly as a select does), no multiply for scale 1.
+    in the accumulation dtype, or None. The recurrence of `online_softmax.step` in the shapes an
+    export wants: plain matmuls with nothing broadcast (GQA rows share their kv head's K, never a
+    copy of it), the mask as one add (x + 0 = x, and exp(−inf − shift) = 0 drops a masked key from
+    max and sum exactly as a select does), no multiply for scale 1.
     """
-    acc = _acc_dtype(q.dtype)
+    acc = osm.acc_dtype(q.dtype)
     scores = jnp.matmul(q, kt)
     if scale != 1.0:
         scores = scores * jnp.asarray(scale, q.dtype)
@@ -250,10 +157,10 @@ def _tile(state, q, kt, v, bias, *, scale, softcap):
     m_new = jnp.max(scores, axis=-1, keepdims=True)
     if state is not None:
         m_new = jnp.maximum(state[0], m_new)
-    shift = _shift(m_new)
+    shift = osm.shift_of(m_new)
     p = jnp.exp(scores - shift)
     pv = jnp.matmul(p.astype(q.dtype), v).astype(acc)
-    return _carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
+    return osm.carry(state, m_new, shift, jnp.sum(p, axis=-1, keepdims=True), pv)
 
 
 def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
@@ -273,7 +180,7 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
     state, finished = None, []
     for (t0, t1), (kt, vb), (m, bias) in zip(plan.kv, tiles, masks, strict=True):
         if plan.ordered and prev is not None:
-            (q,) = after(prev, q)
+            (q,) = osm.after(prev, q)
         if plan.parallel:
             cuts = _pieces(t1 - t0, plan.split)
             pieces = (
@@ -281,7 +188,7 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
                 if len(cuts) > 1
                 else [step(None, q, kt, vb, bias)]
             )
-            new = _merge(pieces) if len(pieces) > 1 else pieces[0]
+            new = osm.merge(pieces) if len(pieces) > 1 else pieces[0]
             old = None
         else:
             new = step(state, q, kt, vb, bias)
@@ -298,8 +205,8 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
             state = new
         prev = new
     if plan.parallel:
-        state = _merge(finished) if len(finished) > 1 else finished[0]
-    return _finish(state, q.dtype).reshape(shape), prev if plan.ordered else None
+        state = osm.merge(finished) if len(finished) > 1 else finished[0]
+    return osm.finish(state, q.dtype).reshape(shape), prev if plan.ordered else None
 
 
 def _keys(k, v, *, rows, heads, kv, dtype):

@@ -104,7 +104,8 @@ PREFILL_NAMES = {
 }
 DENSE_NAMES = ("none", "dense")
 # (query tiles, KV tiles) of the packed vision attention in an exported vision graph
-# (`ref.gemma4.tiled_attention`); chosen by benchmarks/vision_tiled_memory.py (docs/codegen.md).
+# (`ref.gemma4.vision.tiled_packed_attention`); chosen by benchmarks/vision_tiled_memory.py
+# (docs/codegen.md).
 VISION_TILES = (3, 3)
 
 _AXES = {m.name: " ".join(m.axes) for m in TABLE}

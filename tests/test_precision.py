@@ -269,7 +269,7 @@ def test_block_ordering_stays_finite_in_float16():
     item and filler) and `blocked(ordered=True)` (4 causal KV blocks of 128) in the float16
     device model against numpy float64: finite, within FP16_BOUND."""
     from ref.attention import blocked
-    from ref.gemma4.tiled_attention import tiled_packed_attention
+    from ref.gemma4.vision import tiled_packed_attention
 
     rng = np.random.default_rng(21)
     n, heads, d = 600, 4, 16

@@ -1,14 +1,14 @@
-"""Packed vision attention tile by tile (`ref.gemma4.tiled_attention`) against an independent
-numpy float64 oracle that attends within each segment on its own rows (no mask, no `ref` code):
-≤ 1e-12 relative in float64 for any query × KV tiling, any segment layout, filler included."""
+"""Packed vision attention tile by tile (`ref.gemma4.vision.tiled_packed_attention`) against an
+independent numpy float64 oracle that attends within each segment on its own rows (no mask, no `ref`
+code): ≤ 1e-12 relative in float64 for any query × KV tiling, any segment layout, filler
+included."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref.gemma4.tiled_attention import check_tiles, tile_bounds, tiled_packed_attention
-from ref.gemma4.vision import packed_attention
+from ref.gemma4.vision import check_tiles, packed_attention, tile_bounds, tiled_packed_attention
 from tests.util import examples, jitted
 
 
