@@ -66,7 +66,7 @@ def _run_precision(args):
 
 
 def _run_drift(args):
-    from codegen.precision import drift, drift_table
+    from codegen.drift import drift, drift_table
     from ref.gemma4.model import Gemma4
 
     if (args.out is None) == (args.model is None):

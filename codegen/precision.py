@@ -1,6 +1,7 @@
-"""What the device will compute, before compiling: `verify --precision` and `drift`.
+"""What the device will compute, before compiling: `verify --precision` (`drift`, the same
+device model over generated tokens, is `codegen.drift`).
 
-Both run the device model of `ref.numerics` (every tensor stored in the compute format, each
+It runs the device model of `ref.numerics` (every tensor stored in the compute format, each
 operation computing at float32 from stored operands and rounding once; the KV cache stored
 in `--kv-dtype` between steps). `verify --precision` runs it twice per graph and
 specialization, on `verify`'s sample inputs: on `ref` (the exported composition's jaxpr,
@@ -10,8 +11,6 @@ onnxruntime float32 — named by ONNX tensor). What it proves: under that model 
 on these inputs, no tensor of the graph QAIC compiles leaves the format's range (or names
 the first that does), with the headroom left per layer and the error to float32. What it
 cannot prove: that QAIC keeps no op in another precision, or inputs unlike these.
-`drift` compares greedy tokens of float32 `ref` with the device model over random prompts
-with images.
 """
 
 import dataclasses
@@ -20,7 +19,6 @@ import zlib
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import onnx
 import onnx.inliner
@@ -31,9 +29,6 @@ from codegen.folder import read_manifest, session_at
 from codegen.layerwise import error
 from codegen.verify import selected, way
 from ref import numerics
-from ref.gemma4.model import Gemma4
-from ref.gemma4.step import apply_step
-from ref.gemma4.tower import tower_apply
 from weights import open_checkpoint
 
 _ONNX_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -297,7 +292,8 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
         )
 
 
-def _table(head, rows):
+def table(head, rows):
+    """Rows of cells as left-aligned text columns, the head first."""
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]
@@ -337,9 +333,9 @@ def precision_table(results, precision):
                        "turns non-finite")  # fmt: skip
     text = [
         f"{precision}: largest finite {top:g}",
-        _table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
+        table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
         "",
-        _table(
+        table(
             ("graph", "specialization", "output", f"ref {precision} err", f"onnx {precision} err"),
             error_rows,
         ),
@@ -347,144 +343,3 @@ def precision_table(results, precision):
     text += ["", *bad] if bad else ["", f"no tensor of the graphs leaves the {precision} range"]
     text += [f"{n} (clamped in the graph by --clip-fp16)" for n in notes]
     return "\n".join(text), bad
-
-
-# --- drift: greedy tokens, float32 against the device model ---------------------------------
-
-
-@partial(jax.jit, static_argnames=("config", "attention", "precision", "kv_dtype"))
-def _device_step(params, lm_head, cache, *inputs, config, attention, precision, kv_dtype):
-    step = partial(apply_step, config=config, attention=attention, last_only=True)
-    out = numerics.emulate(step, precision)(params, lm_head, cache, *inputs)
-    return dict(out, cache=numerics.store_kv(out["cache"], kv_dtype))
-
-
-@partial(jax.jit, static_argnames=("config", "precision"))
-def _device_tower(params, embed_params, patches, positions, segment_ids, pool_index, *, config,
-                  precision):  # fmt: skip
-    fn = partial(tower_apply, config=config)
-    return numerics.emulate(fn, precision)(
-        params, embed_params, patches, positions, segment_ids, pool_index
-    )["embeds"]
-
-
-class DeviceVision:
-    """A VisionTower's `embed` in the device model (dense segment mask, as exported)."""
-
-    def __init__(self, tower, precision):
-        self.tower, self.precision = tower, precision
-        self.config = tower.config
-
-    def embed(self, patches, grids):
-        """Soft tokens per item after embed_vision: list of [h_i·w_i/k², text_hidden]."""
-        packing, flat = self.tower.pack(patches, grids)
-        out = np.asarray(
-            _device_tower(
-                self.tower.params,
-                self.tower.embed_params,
-                jnp.asarray(flat, jnp.float32),
-                packing.positions,
-                packing.segment_ids,
-                packing.pool_index,
-                config=self.config,
-                precision=self.precision,
-            )
-        )
-        cu = packing.cu_tokens
-        return [out[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
-
-
-class DeviceGemma4(Gemma4):
-    """`Gemma4` whose every step (and vision tower) runs in the device model: compute in
-    `precision`, KV cache stored as `kv_dtype`; records each step's logits in `self.logits`."""
-
-    def __init__(self, model, precision, kv_dtype):
-        self.__dict__.update(model.__dict__)
-        self.precision = numerics.format_name(precision)
-        self.kv_dtype = numerics.format_name(kv_dtype, numerics.KV_FORMATS)
-        if model.vision is not None:
-            self.vision = DeviceVision(model.vision, self.precision)
-        self.logits = []
-
-    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention):
-        out = _device_step(
-            self.params,
-            self.lm_head,
-            cache,
-            jnp.asarray(ids),
-            jnp.asarray(positions),
-            vision_embeds,
-            image_idx,
-            config=self.config,
-            attention=attention,
-            precision=self.precision,
-            kv_dtype=self.kv_dtype,
-        )
-        self.logits.append(np.asarray(out["logits"][:, -1], np.float32))
-        return out
-
-
-def random_prompt(model, rng, *, text_len=6):
-    """(ids [L], patches, grids): random words (ids ≥ 7, none special), one random image
-    (2–4 × 2–4 soft tokens) between the begin/end-of-image tokens, random words."""
-    vision = model.vision.config
-    k = vision.pooling_kernel_size
-    th, tw = (int(t) for t in rng.integers(2, 5, 2))
-    grid = (th * k, tw * k)
-    patches = rng.random((grid[0] * grid[1], vision.patch_dim), dtype=np.float32)
-    t = model.tokens
-    special = {t.image_token_id, t.boi_token_id, t.eoi_token_id, t.video_token_id}
-    words = [w for w in range(7, model.config.vocab_size) if w not in special]
-
-    def text(n):
-        return [int(w) for w in rng.choice(words, n)]
-
-    ids = text(text_len) + [model.tokens.boi_token_id]
-    ids += [model.tokens.image_token_id] * (th * tw) + [model.tokens.eoi_token_id]
-    ids += text(text_len)
-    return np.asarray(ids, np.int32), [patches], [grid]
-
-
-def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0):
-    """Greedy tokens of float32 `model` against the device model over `prompts` random prompts
-    with an image each → list of per-prompt dicts: agree (tokens equal), first divergence
-    step (None if none), the float32 top-2 logit gap there."""
-    device = DeviceGemma4(model, precision, kv_dtype)
-    exact = DeviceGemma4(model, "float32", "float32")
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(prompts):
-        ids, patches, grids = random_prompt(model, rng)
-        exact.logits, device.logits = [], []
-        want = exact.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
-        got = device.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
-        differ = np.flatnonzero(want != got)
-        first = int(differ[0]) if differ.size else None
-        gap = None
-        if first is not None:
-            top2 = np.sort(exact.logits[first][0])[-2:]
-            gap = float(top2[1] - top2[0])
-        rows.append({"agree": int(np.sum(want == got)), "total": len(want), "first": first,
-                     "gap": gap})  # fmt: skip
-    return rows
-
-
-def drift_table(rows, precision, kv_dtype):
-    """The `drift` report: one row per prompt and the agreement rate."""
-    body = [
-        (i, f"{r['agree']}/{r['total']}", "-" if r["first"] is None else r["first"],
-         "-" if r["gap"] is None else f"{r['gap']:.3g}")
-        for i, r in enumerate(rows)
-    ]  # fmt: skip
-    agree = sum(r["agree"] for r in rows)
-    total = sum(r["total"] for r in rows)
-    same = sum(r["first"] is None for r in rows)
-    head = ("prompt", "tokens equal", "first divergence", "float32 top-2 gap there")
-    return "\n".join(
-        [
-            f"float32 vs {precision} compute, KV cache {kv_dtype}",
-            _table(head, body),
-            f"agreement {agree}/{total} = {agree / total:.1%}; {same}/{len(rows)} prompts "
-            "identical",
-        ]
-    )

@@ -188,7 +188,7 @@ FP16_BOUND, BF16_BOUND = 2e-2, 1.5e-1
 
 @pytest.mark.parametrize(("precision", "bound"), [("float16", FP16_BOUND), ("bf16", BF16_BOUND)])
 def test_device_precision_stays_near_float32_on_the_default_model(default_model, precision, bound):
-    from codegen.precision import DeviceGemma4, random_prompt
+    from codegen.drift import DeviceGemma4, random_prompt
 
     rng = np.random.default_rng(1)
     ids, patches, grids = random_prompt(default_model, rng)
@@ -205,6 +205,20 @@ def test_device_precision_stays_near_float32_on_the_default_model(default_model,
     # float32 compute with a float32 cache is ref itself
     plain = default_model.generate(ids[None], patches, grids, max_new_tokens=3)[0]
     assert plain.tolist() == exact.generate(ids[None], patches, grids, max_new_tokens=3)[0].tolist()
+
+
+def test_drift_command_reports_each_prompt(capsys):
+    """`python -m codegen drift` on the default model: a row per prompt and the agreement over
+    every generated token (2 prompts × 3 tokens)."""
+    from codegen.__main__ import main
+    from codegen.defaults import default_checkpoint
+
+    argv = ["drift", "--model", str(default_checkpoint()), "--prompts", "2"]
+    assert main([*argv, "--max-new-tokens", "3", "--kv-dtype", "mxint8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "float32 vs float16 compute, KV cache mxint8", out
+    assert [line.split()[0] for line in out[2:4]] == ["0", "1"], out
+    assert out[-1].startswith("agreement ") and "/6 = " in out[-1], out
 
 
 def _overflowing_tower(folder):

@@ -5,6 +5,7 @@ The chunk schedule is host-side numpy; every step is `ref.gemma4.step.step` on f
 ([B, S] prefill chunks, [B, 1] decode tokens), the same step a compiled graph runs.
 """
 
+import copy
 from functools import partial
 
 import jax
@@ -114,6 +115,18 @@ class Gemma4:
             None if lm_head is None else sharding.put(lm_head, dtype, mesh, "lm_head.weight")
         )
         self.vision = vision
+        self.step_fn = None
+
+    def with_step(self, step_fn, vision=None):
+        """This model with each text step run by `step_fn(params, lm_head, cache, ids,
+        positions, vision_embeds, image_idx, *, config, attention)` → the step's dict (as
+        `ref.gemma4.step.apply_step` with last_only), e.g. a model of a device's numerics, and
+        its vision tower replaced by `vision` when given (anything with `embed` and
+        `preprocess`). Parameters are shared, not copied; this model is unchanged."""
+        other = copy.copy(self)
+        other.step_fn = step_fn
+        other.vision = self.vision if vision is None else vision
+        return other
 
     @classmethod
     def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
@@ -237,6 +250,8 @@ class Gemma4:
     def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention):
         args = (self.params, self.lm_head, cache, jnp.asarray(ids), jnp.asarray(positions))
         args += (vision_embeds, image_idx)
+        if self.step_fn is not None:
+            return self.step_fn(*args, config=self.config, attention=attention)
         kw = dict(config=self.config, attention=attention, last_only=True)
         if self.mesh is None:
             return step(*args, **kw)
