@@ -24,6 +24,7 @@ from codegen import (
     external,
     graphs,
     hashcache,
+    kinds,
     model_graphs,
     qaic,
     vision_graph,
@@ -117,6 +118,12 @@ def plan(checkpoint, opts):
     checkpoint has one), then the language model's prefill and decode graphs (`--graphs
     model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
+    shared = {"batch_size": opts.batch_size, "seq_len": opts.seq_len, "ctx_len": opts.ctx_len}
+
+    def build(kind, name, options):
+        return kinds.build(kind, name, checkpoint.config, shapes, options,
+                           use_functions=opts.sub_functions)  # fmt: skip
+
     language = "model" in opts.graphs and model_graphs.text_prefix(shapes) is not None
     language = language and graphs.text_config(checkpoint.config) is not None
     specs = []
@@ -125,15 +132,8 @@ def plan(checkpoint, opts):
     if opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
         # vision_size < ctx_len binds only where a language graph reads the soft tokens
         vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
-        specs.append(
-            vision_graph.vision_graph(
-                checkpoint.config,
-                shapes,
-                opts.budgets,
-                use_functions=opts.sub_functions,
-                tiles=opts.vision_tiles,
-            )
-        )
+        asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}
+        specs.append(build("vision", "vision", asked))
     if language:
         for phase, (mode, options) in (
             ("prefill", opts.prefill_blocking),
@@ -141,22 +141,14 @@ def plan(checkpoint, opts):
         ):
             if phase not in opts.phases:
                 continue
-            specs.append(
-                model_graphs.model_graph(
-                    checkpoint.config,
-                    shapes,
-                    phase=phase,
-                    mode=mode,
-                    options=options,
-                    batch_size=opts.batch_size,
-                    seq_len=opts.seq_len,
-                    ctx_len=opts.ctx_len,
-                    budgets=opts.budgets,
-                    sliding_ring=opts.sliding_ring,
-                    full_batch_size=opts.full_batch_size,
-                    use_functions=opts.sub_functions,
-                )
-            )
+            asked = {
+                "mode": mode,
+                "blocking": options,
+                "budgets": opts.budgets,
+                "sliding_ring": opts.sliding_ring,
+                "full_batch_size": opts.full_batch_size,
+            }
+            specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
         checkpoint.config, shapes
     )
@@ -164,20 +156,8 @@ def plan(checkpoint, opts):
     for mode, options in opts.blocking if stackable else ():
         seen[mode] = seen.get(mode, 0) + 1
         name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
-        specs.append(
-            attention_graph.attention_graph(
-                checkpoint.config,
-                shapes,
-                name=name,
-                mode=mode,
-                options=options,
-                layers=opts.attention_layers or stackable,
-                batch_size=opts.batch_size,
-                seq_len=opts.seq_len,
-                ctx_len=opts.ctx_len,
-                use_functions=opts.sub_functions,
-            )
-        )
+        asked = {"mode": mode, "blocking": options, "layers": opts.attention_layers or stackable}
+        specs.append(build("attention", name, {**shared, **asked}))
     if not specs:
         raise ExportError(
             f"{checkpoint.dir}: nothing to export (no vision tower tensors, no text decoder "

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from codegen import attention_graph, graphs, layerwise, model_graphs, segments, vision_graph
+from codegen import graphs, kinds, layerwise, segments
 from codegen.folder import VerifyError, load_graph, open_session, read_manifest
 from weights import open_checkpoint
 
@@ -24,44 +24,13 @@ LAYERWISE_BYTES = 256 << 20
 
 
 def rebuild(entry, checkpoint):
-    """The GraphSpec a manifest entry was exported from."""
+    """The GraphSpec a manifest entry was exported from (`codegen.kinds`), layers inlined."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
-    o = entry["options"]
-    if entry["kind"] == "vision":
-        # exports before the tiles option attended with the dense mask: one tile each way
-        tiles = o.get("tiles", (1, 1))
-        return vision_graph.vision_graph(
-            checkpoint.config, shapes, o["budgets"], use_functions=False, tiles=tiles
-        )
-    if entry["kind"] == "attention":
-        return attention_graph.attention_graph(
-            checkpoint.config,
-            shapes,
-            name=entry["name"],
-            mode=o["mode"],
-            options=o["blocking"],
-            layers=o["layers"],
-            batch_size=o["batch_size"],
-            seq_len=o["seq_len"],
-            ctx_len=o["ctx_len"],
-            use_functions=False,
-        )
-    if entry["kind"] in ("prefill", "decode"):
-        return model_graphs.model_graph(
-            checkpoint.config,
-            shapes,
-            phase=entry["kind"],
-            mode=o["mode"],
-            options=o["blocking"],
-            batch_size=o["batch_size"],
-            seq_len=o["seq_len"],
-            ctx_len=o["ctx_len"],
-            budgets=o["budgets"],
-            sliding_ring=o["sliding_ring"],
-            full_batch_size=o.get("full_batch_size"),
-            use_functions=False,
-        )
-    raise VerifyError(f"graph {entry['name']!r} has unknown kind {entry['kind']!r}")
+    try:
+        return kinds.build(entry["kind"], entry["name"], checkpoint.config, shapes,
+                           entry["options"], use_functions=False)  # fmt: skip
+    except kinds.KindError as e:
+        raise VerifyError(str(e)) from e
 
 
 def float32_bytes(spec, checkpoint):

@@ -1,0 +1,72 @@
+"""The graph kinds, in one place: each kind's builder called with the options a graph records
+(`GraphSpec.options`, the manifest entry's "options"). `export.plan` builds every graph
+through `build` from the options it asks for, and `verify` rebuilds each graph of a folder
+from its manifest entry through the same call, so the two cannot drift apart. Options an
+older export did not record get their old meaning here (`_UPGRADES`).
+"""
+
+from codegen import attention_graph, model_graphs, vision_graph
+
+
+def _vision(config, shapes, name, o, use_functions):
+    return vision_graph.vision_graph(
+        config, shapes, o["budgets"], use_functions=use_functions, tiles=tuple(o["tiles"])
+    )
+
+
+def _language(config, shapes, name, o, use_functions):
+    return model_graphs.model_graph(
+        config,
+        shapes,
+        phase=name,
+        mode=o["mode"],
+        options=o["blocking"],
+        batch_size=o["batch_size"],
+        seq_len=o["seq_len"],
+        ctx_len=o["ctx_len"],
+        budgets=o["budgets"],
+        sliding_ring=o["sliding_ring"],
+        full_batch_size=o["full_batch_size"],
+        use_functions=use_functions,
+    )
+
+
+def _attention(config, shapes, name, o, use_functions):
+    return attention_graph.attention_graph(
+        config,
+        shapes,
+        name=name,
+        mode=o["mode"],
+        options=o["blocking"],
+        layers=o["layers"],
+        batch_size=o["batch_size"],
+        seq_len=o["seq_len"],
+        ctx_len=o["ctx_len"],
+        use_functions=use_functions,
+    )
+
+
+# kind → builder(checkpoint config, {tensor: shape}, graph name, options, use_functions)
+BUILDERS = {
+    "vision": _vision,
+    "prefill": _language,
+    "decode": _language,
+    "attention": _attention,
+}
+# options older exports did not record, with the meaning they had then: the vision graph
+# attended with the dense mask (one tile each way); no continuous batching
+_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": {"full_batch_size": None},
+             "decode": {"full_batch_size": None}}  # fmt: skip
+
+
+class KindError(ValueError):
+    """A graph kind no builder knows."""
+
+
+def build(kind, name, config, shapes, options, *, use_functions):
+    """The GraphSpec of graph `name` of `kind` from its options (a manifest entry's, or what
+    `export.plan` asks for). shapes: {checkpoint tensor name: shape}."""
+    builder = BUILDERS.get(kind)
+    if builder is None:
+        raise KindError(f"graph {name!r} has unknown kind {kind!r} (known: {', '.join(BUILDERS)})")
+    return builder(config, shapes, name, {**_UPGRADES.get(kind, {}), **options}, use_functions)
