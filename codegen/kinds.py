@@ -14,35 +14,23 @@ def _vision(config, shapes, name, o, use_functions):
     )
 
 
+def _shared(o, use_functions):
+    """The keyword arguments the language and attention builders share."""
+    keys = ("batch_size", "seq_len", "ctx_len")
+    return dict(mode=o["mode"], options=o["blocking"], use_functions=use_functions,
+                **{k: o[k] for k in keys})  # fmt: skip
+
+
 def _language(config, shapes, name, o, use_functions):
     return model_graphs.model_graph(
-        config,
-        shapes,
-        phase=name,
-        mode=o["mode"],
-        options=o["blocking"],
-        batch_size=o["batch_size"],
-        seq_len=o["seq_len"],
-        ctx_len=o["ctx_len"],
-        budgets=o["budgets"],
-        sliding_ring=o["sliding_ring"],
-        full_batch_size=o["full_batch_size"],
-        use_functions=use_functions,
-    )
+        config, shapes, phase=name, budgets=o["budgets"], sliding_ring=o["sliding_ring"],
+        full_batch_size=o["full_batch_size"], **_shared(o, use_functions),
+    )  # fmt: skip
 
 
 def _attention(config, shapes, name, o, use_functions):
     return attention_graph.attention_graph(
-        config,
-        shapes,
-        name=name,
-        mode=o["mode"],
-        options=o["blocking"],
-        layers=o["layers"],
-        batch_size=o["batch_size"],
-        seq_len=o["seq_len"],
-        ctx_len=o["ctx_len"],
-        use_functions=use_functions,
+        config, shapes, name=name, layers=o["layers"], **_shared(o, use_functions)
     )
 
 
