@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ref.blocking import DENSE_NAMES, VISION_TILES
 from ref.blocking import names as blocking_names
+from ref.gemma4.images import BUDGETS, DEFAULT_BUDGETS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,9 +114,9 @@ def parser():
     e.add_argument(
         "--budgets",
         type=_budgets,
-        default=(70, 140),
-        help="vision soft-token "
-        "budgets, one specialization each, from 70,140,280,560,1120 (default 70,140; "
+        default=DEFAULT_BUDGETS,
+        help="vision soft-token budgets, one specialization each, from "
+        f"{','.join(map(str, BUDGETS))} (default {','.join(map(str, DEFAULT_BUDGETS))}; "
         "empty: no vision graph)",
     )
     e.add_argument(

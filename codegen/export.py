@@ -34,6 +34,7 @@ from codegen.folder import FORMAT, MANIFEST
 from codegen.ops import OPSET
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
+from ref.gemma4.images import DEFAULT_BUDGETS
 from weights import open_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -49,7 +50,7 @@ class ExportOptions:
 
     out: Path
     model: Path | None = None
-    budgets: tuple = (70, 140)
+    budgets: tuple = DEFAULT_BUDGETS
     vision_tiles: tuple = VISION_TILES  # (query tiles, KV tiles) of its attention
     graphs: tuple = ("model",)  # "model" (vision, prefill, decode) and/or "attention"
     prefill_blocking: tuple = ("none", {})  # (mode, {option: value})

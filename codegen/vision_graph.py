@@ -9,12 +9,11 @@ from codegen.graphs import GraphError, GraphSpec, Tensor, route_layers
 from ref.blocking import VISION_TILES
 from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.images import BUDGETS
 from ref.gemma4.packing import pack
 from ref.gemma4.params import nested, vision_param_shapes
 from ref.gemma4.tower import tower_apply
 from weights import check_shapes
-
-SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
 
 def vision_prefix(tensor_names):
@@ -170,8 +169,8 @@ def vision_graph(
 def check_budgets(budgets, ctx_len):
     """Soft-token budgets must be known sizes and fit the text context (vision_size < ctx_len)."""
     for b in budgets:
-        if b not in SOFT_TOKEN_BUDGETS:
-            raise GraphError(f"budget {b}: expected one of {SOFT_TOKEN_BUDGETS}")
+        if b not in BUDGETS:
+            raise GraphError(f"budget {b}: expected one of {BUDGETS}")
         if ctx_len is not None and not b < ctx_len:
             raise GraphError(f"vision_size {b} must be < ctx_len {ctx_len}")
     if len(set(budgets)) != len(budgets):

@@ -50,7 +50,8 @@ import math
 import numpy as np
 from PIL import Image
 
-BUDGETS = (70, 140, 280, 560, 1120)
+BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image the processor offers
+DEFAULT_BUDGETS = (70, 140)  # those an export writes unless told (`export --budgets`)
 VIDEO_FRAMES = 32  # Gemma4VideoProcessor.num_frames
 VIDEO_SOFT_TOKENS = 70  # Gemma4VideoProcessor.max_soft_tokens
 DEFAULT_VIDEO_FPS = 24.0  # Gemma4Processor's fallback when a video's fps is unknown
