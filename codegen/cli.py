@@ -4,6 +4,7 @@ run, serve, verify, drift, vectors, plan), with the argument types that read the
 import argparse
 from pathlib import Path
 
+from ref import formats
 from ref.blocking import DENSE_NAMES, VISION_TILES
 from ref.blocking import names as blocking_names
 from ref.gemma4.images import BUDGETS, DEFAULT_BUDGETS
@@ -223,7 +224,7 @@ def parser():
         "--kv-dtype",
         default="float16",
         help="retained KV cache precision in "
-        "custom_io.yaml: float16 (fp16), float32 (fp32), mxint8, bfloat16 (bf16); default float16",
+        f"custom_io.yaml: one of {', '.join(formats.with_aliases(formats.KV))}; default float16",
     )
     e.add_argument("--num-cores", type=int, default=16, help="-aic-num-cores (default 16)")
     e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")
@@ -397,14 +398,14 @@ def parser():
     )
     v.add_argument(
         "--precision",
-        choices=("float16", "fp16", "bfloat16", "bf16"),
+        choices=formats.with_aliases(formats.LOW),
         help="instead: run ref and the graphs as the device computes them in this format "
         "(ref.numerics): per layer the largest |x| and headroom, the error to float32, exit 1 "
         "naming the first tensor that turns non-finite",
     )
     v.add_argument(
         "--kv-dtype",
-        choices=("float16", "bfloat16", "mxint8", "float32"),
+        choices=formats.KV,
         help="with --precision: the KV cache's storage format (QAIC's --kv-dtype)",
     )
     d = sub.add_parser("drift", help="greedy tokens: float32 ref vs the device's precision")
@@ -412,12 +413,8 @@ def parser():
     d.add_argument("--model", type=Path, help="an HF checkpoint folder instead of an export")
     d.add_argument("--prompts", type=int, default=8, help="random prompts with an image (8)")
     d.add_argument("--max-new-tokens", type=int, default=8, help="tokens per prompt (8)")
-    d.add_argument(
-        "--precision", choices=("float16", "fp16", "bfloat16", "bf16"), default="float16"
-    )
-    d.add_argument(
-        "--kv-dtype", choices=("float16", "bfloat16", "mxint8", "float32"), default="float16"
-    )
+    d.add_argument("--precision", choices=formats.with_aliases(formats.LOW), default="float16")
+    d.add_argument("--kv-dtype", choices=formats.KV, default="float16")
     d.add_argument("--seed", type=int, default=0, help="random prompt seed (default 0)")
     _kit_parsers(sub)
     return p
@@ -458,7 +455,7 @@ def _kit_parsers(sub):
     pl.add_argument("--png", type=Path, help="draw the schedule to this PNG file")
     pl.add_argument(
         "--dtype",
-        choices=("float16", "bfloat16", "float32"),
+        choices=formats.COMPUTE,
         default="float16",
         help="q/k/v/o precision for the byte counts (default float16)",
     )

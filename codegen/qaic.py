@@ -9,8 +9,10 @@ need. `vision_size` is a specialization symbol only, never a compiler flag.
 import json
 import shlex
 
-KV_DTYPES = ("float16", "float32", "mxint8", "bfloat16")
-KV_ALIASES = {"fp16": "float16", "fp32": "float32", "bf16": "bfloat16"}
+from ref import formats
+
+KV_DTYPES = formats.KV
+KV_ALIASES = formats.ALIASES
 
 
 def specializations_json(specializations, *, legacy=False):

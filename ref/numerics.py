@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from ref import validate
+from ref import formats, validate
 
-FORMATS = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-KV_FORMATS = (*FORMATS, "mxint8")
-ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FORMATS = {name: getattr(jnp, name) for name in formats.COMPUTE}
+KV_FORMATS = formats.KV
+ALIASES = formats.ALIASES
 
 MX_BLOCK = 32  # elements sharing one scale (MX spec §5, k = 32)
 MX_FRACTION_BITS = 6  # INT8 element value = m · 2^-6 (MX spec §5.3)
