@@ -121,8 +121,9 @@ class Gemma4:
         """This model with each text step run by `step_fn(params, lm_head, cache, ids,
         positions, vision_embeds, image_idx, *, config, attention)` → the step's dict (as
         `ref.gemma4.step.apply_step` with last_only), e.g. a model of a device's numerics, and
-        its vision tower replaced by `vision` when given (anything with `embed` and
-        `preprocess`). Parameters are shared, not copied; this model is unchanged."""
+        its vision tower replaced by `vision` when given (anything with `embed(patches,
+        grids)`, what `generate` calls; `generate_from` also calls `preprocess`). Parameters
+        are shared, not copied; this model is unchanged."""
         other = copy.copy(self)
         other.step_fn = step_fn
         other.vision = self.vision if vision is None else vision
