@@ -311,7 +311,7 @@ def model_graph(
         gathered=_gathered(prefix, names),
         head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
         # a layer's cache is read by that layer only (with continuous batching too: each
-        # layer takes and puts back its slots' rows, `ref.gemma4.kv_cache.slot_writes`)
+        # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
         lazy=tuple(t.name for t in cache_in),
     )
 

@@ -16,19 +16,27 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def scatter(cache, new, slots):
+def scatter(cache, new, slots, rows=None):
     """Write `new` at `slots`: cache [B, Hkv, T, D], new [B, Hkv, S, D], slots [B, S] int.
 
     A slot −1 (or ≥ T) writes nothing; the slots of one row must otherwise be distinct.
-    Returns [B, Hkv, T, D] in cache's dtype.
+    rows: None, or [B] int (continuous batching): cache is then [F, Hkv, T, D] and new's row b
+    goes to cache row rows[b] (−1 or ≥ F: nothing), one scatter into the whole cache — the
+    step's rows are not taken out and put back. Returns cache's shape, in cache's dtype.
     """
     b, hkv, t, d = cache.shape
+    want = "slots [B, S]" if rows is None else "slots [B, S] and rows [B]"
+    if rows is not None:
+        b = rows.shape[0] if rows.ndim == 1 else None
     if new.shape[:2] != (b, hkv) or new.shape[3] != d or slots.shape != (b, new.shape[2]):
+        got = "" if rows is None else f", rows {rows.shape}"
         raise ValueError(
-            f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and slots [B, S]; "
-            f"got new {new.shape}, slots {slots.shape}"
+            f"scatter expects new [B={b}, Hkv={hkv}, S, D={d}] and {want}; "
+            f"got new {new.shape}, slots {slots.shape}{got}"
         )
-    return _write(cache, 2, slots[:, None, :], new)
+    if rows is None:
+        return _write(cache, 2, slots[:, None, :], new)
+    return _write_rows(cache, rows, slots, new)
 
 
 def scatter_positions(cache_pos, positions, slots):
@@ -80,10 +88,51 @@ def _write(array, axis, slots, values):
     return jnp.asarray(array).at[index + (slots,)].set(values, mode="promise_in_bounds")
 
 
-def update(cache_k, cache_v, k_new, v_new, slots):
+def _first(valid):
+    """(row, column), each [1, 1], of the first True of valid [B, S] in row-major order."""
+    some = jnp.any(valid, axis=1, keepdims=True)  # [B, 1]
+    row = jnp.argmax(some.astype(jnp.int32), axis=0, keepdims=True)
+    at = jnp.argmax(valid.astype(jnp.int32), axis=1, keepdims=True)  # [B, 1]
+    return row, jnp.take_along_axis(at, row, 0, mode="promise_in_bounds")
+
+
+def _pick(x, row, col, axes=(0, 1)):
+    """x at index `row` along axes[0] and `col` along axes[1] (both kept, size 1)."""
+    grow = (1,) * (x.ndim - 2)
+    for i, axis in zip((row, col), axes, strict=True):
+        x = jnp.take_along_axis(x, i.reshape(i.shape + grow), axis, mode="promise_in_bounds")
+    return x
+
+
+def _write_rows(array, rows, slots, values):
+    """`array` [F, H, T, D] with `values` [B, H, S, D] written at rows [B] and slots [B, S]
+    (a row outside [0, F) or a slot outside [0, T) writes nothing) → array's shape and dtype.
+
+    One ScatterND into `array`, every index in range: an invalid write is sent onto the first
+    valid write (row-major over [B, S]) with that write's value, or, when nothing is valid,
+    onto row 0, slot 0 with its own value. Valid (row, slot) pairs must be distinct.
+    """
+    f, t = array.shape[0], array.shape[2]
+    rows = jnp.broadcast_to(rows[:, None], slots.shape)
+    valid = (rows >= 0) & (rows < f) & (slots >= 0) & (slots < t)
+    some = jnp.any(valid)
+    b, s = _first(valid)
+    values = values.astype(array.dtype)
+    own = lax.slice_in_dim(lax.slice_in_dim(array, 0, 1, axis=0), 0, 1, axis=2)
+    kept = jnp.where(some, _pick(values, b, s, axes=(0, 2)), own)  # [1, H, 1, D]
+    rows = jnp.where(valid, rows, jnp.where(some, _pick(rows, b, s), 0))
+    slots = jnp.where(valid, slots, jnp.where(some, _pick(slots, b, s), 0))
+    values = jnp.where(valid[:, None, :, None], values, kept)
+    heads = lax.broadcasted_iota(jnp.int32, (1, array.shape[1], 1), 1)
+    index = (rows[:, None, :], heads, slots[:, None, :])
+    return jnp.asarray(array).at[index].set(values, mode="promise_in_bounds")
+
+
+def update(cache_k, cache_v, k_new, v_new, slots, rows=None):
     """The retained-state handoff: caches [B, Hkv, T, D] after writing k_new, v_new
-    [B, Hkv, S, D] at slots [B, S] (−1 = nothing) — the next call's cache inputs."""
-    return scatter(cache_k, k_new, slots), scatter(cache_v, v_new, slots)
+    [B, Hkv, S, D] at slots [B, S] (−1 = nothing) — the next call's cache inputs (rows: see
+    `scatter`)."""
+    return scatter(cache_k, k_new, slots, rows), scatter(cache_v, v_new, slots, rows)
 
 
 def causal_positions(q_pos, cache_len):

@@ -107,20 +107,23 @@ def test_cache_update_exports_with_symbolic_batch_and_length():
 
 @functools.cache
 def _writes():
-    """`cache.scatter`, `scatter_positions` and `put_rows` traced once, shapes fixed:
-    cache [3, 2, 6, 4], new [3, 2, 4, 4], slots [3, 4]; rows [3] into [5, 6]."""
+    """`cache.scatter` (and with `rows`), `scatter_positions` and `put_rows` traced once, shapes
+    fixed: cache [3, 2, 6, 4], new [3, 2, 4, 4], slots [3, 4]; rows [3] into [5, 6] and into a
+    cache of 5 slots [5, 2, 6, 4]."""
 
-    def writes(old, new, pos, slots, table, rows):
+    def writes(old, new, pos, slots, table, rows, slotted):
         return (
             cache.scatter(old, new, slots),
             cache.scatter_positions(pos, slots, slots),
             cache.put_rows(table, table[:3] + 1, rows),
+            cache.scatter(slotted, new, slots, rows),
         )
 
     spec = jax.ShapeDtypeStruct
     f32, i32 = jnp.float32, jnp.int32
     shapes = [spec((3, 2, 6, 4), f32), spec((3, 2, 4, 4), f32), spec((3, 6), i32),
-              spec((3, 4), i32), spec((5, 6), f32), spec((3,), i32)]  # fmt: skip
+              spec((3, 4), i32), spec((5, 6), f32), spec((3,), i32),
+              spec((5, 2, 6, 4), f32)]  # fmt: skip
     model = to_onnx(writes, shapes)
     return model, ort.InferenceSession(model.SerializeToString())
 
@@ -140,15 +143,16 @@ def _distinct_or_invalid(draw, n, t):
 @settings(max_examples=examples(25), deadline=None)
 @given(st.data(), st.integers(0, 2**32 - 1))
 def test_a_write_in_onnxruntime_is_one_scatter_into_the_cache(data, seed):
-    """Every write (`scatter` along slots, `scatter_positions`, `put_rows` along rows) is one
-    ScatterND straight into the input array, no copy of it beside (a spare slot concatenated
-    and sliced off cost a whole cache per write); with invalid slots anywhere in a row, rows with
-    no valid slot, and slot 0 both written and not, onnxruntime equals a loop (exactly)."""
+    """Every write (`scatter` along slots, with `rows` too, `scatter_positions`, `put_rows`
+    along rows) is one ScatterND straight into the input array, no copy of it beside (a spare
+    slot concatenated and sliced off cost a whole cache per write; continuous batching's rows
+    taken out and put back, two more); with invalid slots anywhere in a row, rows with no valid
+    slot, invalid rows, and slot 0 both written and not, onnxruntime equals a loop (exactly)."""
     model, session = _writes()
     names = [i.name for i in model.graph.input]
     scatters = [n for n in model.graph.node if n.op_type == "ScatterND"]
-    arrays = {names[0], names[2], names[4]}
-    assert len(scatters) == 3 and {n.input[0] for n in scatters} == arrays
+    arrays = {names[0], names[2], names[4], names[6]}
+    assert len(scatters) == 4 and {n.input[0] for n in scatters} == arrays
     assert not [
         n for n in model.graph.node if n.op_type in ("Concat", "Pad") and arrays & set(n.input)
     ]
@@ -159,15 +163,20 @@ def test_a_write_in_onnxruntime_is_one_scatter_into_the_cache(data, seed):
     slots = np.array([data.draw(_distinct_or_invalid(4, 6)) for _ in range(3)], np.int32)
     table = rng.normal(size=(5, 6)).astype(np.float32)
     rows = np.array(data.draw(_distinct_or_invalid(3, 5)), np.int32)
+    slotted = rng.normal(size=(5, 2, 6, 4)).astype(np.float32)
     want_cache, want_pos, want_table = old.copy(), pos.copy(), table.copy()
+    want_slotted = slotted.copy()
     for b in range(3):
         for i, slot in enumerate(slots[b]):
             if 0 <= slot < 6:
                 want_cache[b, :, slot] = new[b, :, i]
                 want_pos[b, slot] = slot
+                if 0 <= rows[b] < 5:
+                    want_slotted[rows[b], :, slot] = new[b, :, i]
     for i, row in enumerate(rows):
         if 0 <= row < 5:
             want_table[row] = table[i] + 1
-    got = session.run(None, dict(zip(names, [old, new, pos, slots, table, rows], strict=True)))
-    for g, w in zip(got, [want_cache, want_pos, want_table], strict=True):
+    feed = [old, new, pos, slots, table, rows, slotted]
+    got = session.run(None, dict(zip(names, feed, strict=True)))
+    for g, w in zip(got, [want_cache, want_pos, want_table, want_slotted], strict=True):
         assert g.dtype == w.dtype and (g == w).all()

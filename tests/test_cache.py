@@ -51,6 +51,36 @@ def test_scatter_writes_valid_slots_and_nothing_else(b, t, s, seed):
     assert (np.asarray(got_pos) == want_pos).all()
 
 
+@settings(max_examples=examples(15))
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 3]), st.integers(0, 2**32 - 1))
+def test_scatter_into_rows_writes_valid_pairs_only(b, f, s, seed):
+    """Continuous batching's write straight into a cache of F slots: new's row b lands in
+    cache row rows[b] at slots[b] (distinct valid rows; −1 or ≥ F rows and −1 or ≥ T slots
+    write nothing), against a numpy loop, exactly; nothing else changes."""
+    rng = np.random.default_rng(seed)
+    t = 5
+    old = rng.normal(size=(f, 2, t, 3))
+    new = rng.normal(size=(b, 2, s, 3))
+    rows = (rng.permutation(f + 3)[:b] - 1).astype(np.int32)  # distinct, some −1 and ≥ F
+    slots = np.stack([rng.permutation(t + 3)[:s] - 1 for _ in range(b)]).astype(np.int32)
+
+    def loop(old, new):
+        want = old.copy()
+        for i in range(b):
+            for j in range(s):
+                if 0 <= rows[i] < f and 0 <= slots[i, j] < t:
+                    want[rows[i], :, slots[i, j]] = new[i, :, j]
+        return want
+
+    got = np.asarray(cache.scatter(old, new, slots, rows))
+    assert got.dtype == old.dtype and (got == loop(old, new)).all()
+    k, v = cache.update(old, old + 1, new, new - 1, slots, rows)
+    assert (np.asarray(k) == loop(old, new)).all()
+    assert (np.asarray(v) == loop(old + 1, new - 1)).all()
+    with pytest.raises(ValueError, match=r"rows \[B\]"):
+        cache.scatter(old, new, slots, rows[:, None])
+
+
 def test_fold_and_errors():
     x = np.arange(2 * 3 * 5 * 1).reshape(2, 3, 5, 1)
     folded = np.asarray(cache.fold(x))

@@ -226,7 +226,9 @@ def default_model(tmp_path_factory):
 def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_path_factory):
     """At a long context with continuous batching, every array a graph stores stays small:
     no cache-sized fill and not the empty run-id record is stored as an initializer (once: a
-    [1, Hkv, T, D] spare row per cache, 1 GiB each at ctx 65,536)."""
+    [1, Hkv, T, D] spare row per cache, 1 GiB each at ctx 65,536); and every layer writes each
+    of its caches with one ScatterND straight into it, nothing else scattered (once: the step's
+    rows taken out, written and put back, two more whole-row copies per cache and step)."""
     ctx_len = 4096
     out = tmp_path_factory.mktemp("long-ctx") / "out"
     options = dict(budgets=(), sliding_ring=ring, full_batch_size=2, seq_len=16, ctx_len=ctx_len)
@@ -237,3 +239,24 @@ def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_
         stored = _stored_arrays(onnx.load(out / f"{name}.onnx", load_external_data=False))
         big = [(t, n) for t, n in stored if n > bound]
         assert not big, f"{name}.onnx stores arrays over {bound} bytes: {big}"
+        writes = _cache_writes(onnx.load(out / f"{name}.onnx", load_external_data=False))
+        assert writes and all(caches == into for caches, into in writes.values()), writes
+
+
+def _cache_writes(model):
+    """{layer function: (its cache inputs, the inputs its ScatterNDs write into)}, for each
+    function called on past_key/past_value graph inputs."""
+    functions = {f.name: f for f in model.functions}
+    inputs = {i.name for i in model.graph.input}
+    found = {}
+    for node in model.graph.node:
+        f = functions.get(node.op_type)
+        if f is None:
+            continue
+        caches = [
+            x for n, x in zip(node.input, f.input, strict=True) if n in inputs and "past_" in n
+        ]
+        if caches:
+            into = [n.input[0] for n in f.node if n.op_type == "ScatterND"]
+            found[f.name] = (sorted(caches), sorted(into))
+    return found

@@ -12,9 +12,7 @@ from jax.tree_util import Partial
 
 from ref.cache import (
     causal_positions,
-    put_rows,
     rolling_slots,
-    scatter,
     scatter_positions,
     take_rows,
     update,
@@ -79,16 +77,18 @@ def _last_before(positions):
     return jnp.where(jnp.any(valid, axis=1, keepdims=True), first - 1, -1)
 
 
-def _linear_write(positions, kv, k, v):
-    stored = update(*kv, k, v, positions)
-    return stored, stored
+def _linear_write(positions, rows, kv, k, v):
+    stored = update(*kv, k, v, positions, rows)
+    return stored, stored if rows is None else take_rows(stored, rows)
 
 
-def linear_memory(cache, positions, groups):
+def linear_memory(cache, positions, groups, rows=None):
     """Slot = position: (cache with the step's positions and run ids recorded, the keys'
     {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
 
-    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. A
+    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. rows:
+    None, or [B] int (continuous batching): kv holds F ≥ B cache slots, row b of the step is
+    written straight into kv's row rows[b] (−1: nothing) and attends to that row. A
     slots-only cache derives the keys' positions (slot t holds position t up to the row's
     largest position) and knows only this step's run ids: every earlier key sits before all of
     this step's queries, so it is visible causally whatever its run.
@@ -101,12 +101,13 @@ def linear_memory(cache, positions, groups):
         pos = causal_positions(positions, cache_len(cache))
         # jnp.full, not full_like: an export keeps it as an op, not a [B, T] constant
         group = scatter_positions(jnp.full(pos.shape, -1, pos.dtype), groups, positions)
-    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions)
+    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions, rows)
 
 
-def _ring_write(ring_pos, positions, slots, kv, k, v):
-    k_all, v_all, _ = window_keys(*kv, ring_pos, k, v, positions)
-    return (scatter(kv[0], k, slots), scatter(kv[1], v, slots)), (k_all, v_all)
+def _ring_write(ring_pos, positions, slots, rows, kv, k, v):
+    seen = kv if rows is None else take_rows(kv, rows)
+    k_all, v_all, _ = window_keys(*seen, ring_pos, k, v, positions)
+    return update(*kv, k, v, slots, rows), (k_all, v_all)
 
 
 def ring_positions(positions, window):
@@ -118,10 +119,10 @@ def ring_positions(positions, window):
     return jnp.where(held >= 0, held, -1).astype(jnp.int32)
 
 
-def ring_memory(cache, positions, groups, window):
-    """Sliding layers in a ring of W slots: like `linear_memory`, but a step attends to the
-    ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos", "kv_group"}
-    [B, W + S]) and then the ring keeps each row's last W positions.
+def ring_memory(cache, positions, groups, window, rows=None):
+    """Sliding layers in a ring of W slots: like `linear_memory` (rows too), but a step
+    attends to the ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos",
+    "kv_group"} [B, W + S]) and then the ring keeps each row's last W positions.
     """
     if "ring_pos" in cache:
         ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
@@ -139,18 +140,4 @@ def ring_memory(cache, positions, groups, window):
             ring_pos=scatter_positions(ring_pos, positions, slots),
             ring_group=scatter_positions(ring_group, groups, slots),
         )
-    return cache, seen, Partial(_ring_write, ring_pos, positions, slots)
-
-
-def _slot_write(slots, write, kv, k, v):
-    stored, attended = write(take_rows(kv, slots), k, v)
-    return put_rows(kv, stored, slots), attended
-
-
-def slot_writes(writes, slots):
-    """Continuous batching: each write policy of `writes` ({kind: write}) over a layer's whole
-    cache (F slots): it takes the step's rows `slots` [B] int (−1 = none), writes them as
-    `write` does, and puts them back (−1 writes nothing) → {kind: write(kv [F, ...], k, v) →
-    (stored [F, ...], attended as `write` gives it)}. A layer's cache is so read only by the
-    layer itself, where a layer-by-layer check draws it."""
-    return {kind: Partial(_slot_write, slots, w) for kind, w in writes.items()}
+    return cache, seen, Partial(_ring_write, ring_pos, positions, slots, rows)

@@ -100,8 +100,8 @@ def apply_step(
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
     """
     slots = None if batch_index is None else batch_index[:, 0]
-    # continuous batching: the slots' records are taken here, their keys and values by each
-    # layer (`kv_cache.slot_writes`), so that a layer's cache is read where the layer is
+    # continuous batching: the slots' records are taken here; each layer writes its keys and
+    # values straight into its whole cache (`kv_cache.linear_memory`'s rows), where it is read
     records = {n: a for n, a in cache.items() if n not in ("k", "v")}
     if slots is not None:
         seen = jax.eval_shape(take_rows, cache, slots)

@@ -20,7 +20,6 @@ from ref.gemma4.kv_cache import (
     cache_len,
     linear_memory,
     ring_memory,
-    slot_writes,
     uses_ring,
 )
 from ref.gemma4.moe import Experts, Router
@@ -261,15 +260,13 @@ class TextModel(nn.Module):
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
         groups = vision_runs(is_image, positions, cache.get("group"))
-        cache, full, full_write = linear_memory(cache, positions, groups)
+        cache, full, full_write = linear_memory(cache, positions, groups, slots)
         sliding, sliding_write = full, full_write
         if uses_ring(c, cache):
             window = min(c.sliding_window, cache_len(cache))
-            cache, sliding, sliding_write = ring_memory(cache, positions, groups, window)
+            cache, sliding, sliding_write = ring_memory(cache, positions, groups, window, slots)
         mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
-        if slots is not None:
-            writes = slot_writes(writes, slots)
 
         x, keys, values, states = Layers(c, self.keep_states, name="layers")(
             x, per_layer, positions, cache["k"], cache["v"], mask_args, writes, attention
