@@ -12,6 +12,7 @@ from codegen.graphs import (
     GraphSpec,
     Tensor,
     blocking,
+    folded_rows,
     layer_function,
     route_layers,
     text_config,
@@ -119,7 +120,7 @@ def attention_graph(
         kv_heads, hd = _cache_shape(cfg, i)
         if not fold:
             return ("batch_size", kv_heads, "ctx_len", hd)
-        rows = "batch_kv_heads" if kv_heads == cfg.kv_heads[0] else f"batch_kv_heads_{kv_heads}"
+        rows = folded_rows(cfg, kv_heads)
         symbols[rows] = batch_size * kv_heads
         return (1, rows, "ctx_len", hd)
 

@@ -136,6 +136,11 @@ def plan(checkpoint, opts):
         asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}
         specs.append(build("vision", "vision", asked))
     if language:
+        # both sides hold the cache as the decode graph reads it (the retained state)
+        folded = model_graphs.folds_cache(
+            *opts.decode_blocking, batch=opts.full_batch_size or opts.batch_size,
+            ctx_len=opts.ctx_len,
+        )  # fmt: skip
         for phase, (mode, options) in (
             ("prefill", opts.prefill_blocking),
             ("decode", opts.decode_blocking),
@@ -148,6 +153,7 @@ def plan(checkpoint, opts):
                 "budgets": opts.budgets,
                 "sliding_ring": opts.sliding_ring,
                 "full_batch_size": opts.full_batch_size,
+                "folded_cache": folded,
             }
             specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(

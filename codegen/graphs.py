@@ -88,6 +88,12 @@ class Tensor:
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.shape)
 
 
+def folded_rows(cfg, kv_heads):
+    """The specialization symbol of a batch-folded cache's rows ([1, rows·kv_heads, T, D]):
+    "batch_kv_heads" for the first layer's head count, "batch_kv_heads_<n>" for another."""
+    return "batch_kv_heads" if kv_heads == cfg.kv_heads[0] else f"batch_kv_heads_{kv_heads}"
+
+
 def aligned_empty(shape, dtype, align=64):
     """An uninitialised array in a buffer aligned to `align` bytes: `jax.device_put` on CPU
     uses such a buffer in place instead of copying it (numpy's large arrays start 16 bytes

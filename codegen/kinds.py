@@ -24,7 +24,8 @@ def _shared(o, use_functions):
 def _language(config, shapes, name, o, use_functions):
     return model_graphs.model_graph(
         config, shapes, phase=name, budgets=o["budgets"], sliding_ring=o["sliding_ring"],
-        full_batch_size=o["full_batch_size"], **_shared(o, use_functions),
+        full_batch_size=o["full_batch_size"], folded_cache=o["folded_cache"],
+        **_shared(o, use_functions),
     )  # fmt: skip
 
 
@@ -42,9 +43,9 @@ BUILDERS = {
     "attention": _attention,
 }
 # options older exports did not record, with the meaning they had then: the vision graph
-# attended with the dense mask (one tile each way); no continuous batching
-_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": {"full_batch_size": None},
-             "decode": {"full_batch_size": None}}  # fmt: skip
+# attended with the dense mask (one tile each way); no continuous batching, no folded cache
+_LANGUAGE = {"full_batch_size": None, "folded_cache": False}
+_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": _LANGUAGE, "decode": _LANGUAGE}
 
 
 class KindError(ValueError):

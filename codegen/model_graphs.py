@@ -22,6 +22,7 @@ from codegen.graphs import (
     Released,
     Tensor,
     blocking,
+    folded_rows,
     layer_function,
     route_layers,
     text_config,
@@ -50,11 +51,20 @@ def phase_blocking(mode, options, *, prefill, batch, queries, kv_len):
     """A phase's BlockingConfig (None = dense), see `codegen.graphs.blocking` (a prefill phase
     reads `q`, `kv`, `qkv`, `online` as the prefill modes, as `Gemma4.generate` does)."""
     config = blocking(mode, options, prefill=prefill, batch=batch, queries=queries, kv_len=kv_len)
-    if config is not None and config.batch_fold:
+    if prefill and config is not None and config.batch_fold:
         raise GraphError(
-            "batch_fold is an attention-graph layout (--graphs attention), not a model one"
+            "batch_fold is a decode layout (--decode-blocking kv_batch_fold); a prefill graph "
+            "of such an export holds its cache folded too"
         )
     return config
+
+
+def folds_cache(mode, options, *, batch, ctx_len):
+    """True when decode blocking `mode`/`options` folds the batch into the KV heads
+    (`kv_batch_fold`, or `batch_fold=true`): then both language graphs hold every cache as
+    [1, rows·Hkv, T, D] (QEfficient's batch-fold layout, the same bytes as [rows, Hkv, T, D])."""
+    config = blocking(mode, options, prefill=False, batch=batch, queries=1, kv_len=ctx_len)
+    return config is not None and config.batch_fold
 
 
 def decoder_kinds(cfg):
@@ -79,12 +89,13 @@ def cache_owners(cfg):
     return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
 
 
-def _cache_tensors(cfg, ring, ctx_len, rows="batch_size"):
+def _cache_tensors(cfg, ring, ctx_len, rows="batch_size", folded=False):
     window = min(cfg.sliding_window, ctx_len)
     out = []
     for i in cache_owners(cfg):
         slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"
-        shape = (rows, cfg.kv_heads[i], slots, cfg.head_dims[i])
+        lead = (1, folded_rows(cfg, cfg.kv_heads[i])) if folded else (rows, cfg.kv_heads[i])
+        shape = (*lead, slots, cfg.head_dims[i])
         out += [Tensor(f"past_{kind}.{i}", shape, "float32") for kind in ("key", "value")]
     return tuple(out)
 
@@ -150,6 +161,7 @@ def model_graph(
     budgets=(),
     sliding_ring=True,
     full_batch_size=None,
+    folded_cache=False,
     use_functions=True,
 ):
     """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
@@ -159,7 +171,9 @@ def model_graph(
     `vision_size` stays symbolic. mode/options: the phase's blocking (see `phase_blocking`).
     full_batch_size: continuous batching (QEfficient's): the cache holds that many slots, both
     graphs take `batch_index` [batch_size, 1] (each row's slot), and decode runs over every
-    slot (its batch_size is full_batch_size).
+    slot (its batch_size is full_batch_size). folded_cache: every cache held batch-folded,
+    [1, rows·Hkv, T, D] (`folds_cache`; a decode graph in `kv_batch_fold` holds it so
+    always): each layer unfolds and folds its own cache (`ref.gemma4.kv_cache.unfolded`).
     """
     if full_batch_size is not None:
         if full_batch_size < batch_size:
@@ -199,6 +213,7 @@ def model_graph(
                     config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
         except ValueError as e:
             raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
+    folded = folded_cache or (config is not None and config.batch_fold)
     prefix, names = model_weights(cfg, tensor_shapes)
     kernel = reference if config is None else partial(blocked, config=config)
     kinds = decoder_kinds(cfg)
@@ -215,7 +230,7 @@ def model_graph(
     if full_batch_size is not None:
         ids += (Tensor("batch_index", ("batch_size", 1), "int32"),)
     rows = "batch_size" if full_batch_size is None else "full_batch_size"
-    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len, rows)
+    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len, rows, folded)
     outputs = (Tensor("logits", ("batch_size", 1, cfg.vocab_size), "float32"),)
     if vision:
         outputs += (Tensor("image_idx_output", ("batch_size", 1), "int32"),)
@@ -278,6 +293,8 @@ def model_graph(
     base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
     if full_batch_size is not None:
         base["full_batch_size"] = full_batch_size
+    for heads in set(cfg.kv_heads) if folded else ():
+        base[folded_rows(cfg, heads)] = (full_batch_size or batch_size) * heads
     if vision:
         specs = tuple(
             {"name": f"prefill_{b}", "symbols": {**base, "vision_size": b}} for b in budgets
@@ -297,6 +314,7 @@ def model_graph(
             "budgets": list(budgets) if vision else [],
             "sliding_ring": sliding_ring,
             "full_batch_size": full_batch_size,
+            "folded_cache": folded,
             "layer_functions": sorted(set(kinds)),
         },
         inputs=ids + cache_in,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from ref import online_softmax as osm
 from ref import validate
 from ref.blocking import BlockingConfig
+from ref.cache import fold as fold_cache
 from ref.sharding import auto_axes
 
 
@@ -405,14 +406,13 @@ def blocked(
 ):
     """`reference`, computed block by block in one of QEfficient's blocking modes.
 
-    q: [B, H, S, D]; k, v: [B, Hkv, T, D], or [1, B·Hkv, T, D] with batch_fold; q_pos,
-    q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D]. mode and options (num_kv_blocks,
-    num_q_blocks, head_block_size, num_batch_blocks, headpar_split, batch_fold,
-    prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len, num_cores,
-    ordered) as in
-    `ref.blocking.BlockingConfig`, or a ready `config=`. mesh: a `jax.sharding.Mesh`; the heads
-    are split over all its devices with shard_map (Hkv must divide evenly) and each device runs
-    the same mode on its heads.
+    q: [B, H, S, D]; k, v: [B, Hkv, T, D] (folded here with batch_fold), or [1, B·Hkv, T, D]
+    with batch_fold; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D]. mode
+    and options (num_kv_blocks, num_q_blocks, head_block_size, num_batch_blocks,
+    headpar_split, batch_fold, prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len,
+    num_cores, ordered) as in `ref.blocking.BlockingConfig`, or a ready `config=`. mesh: a
+    `jax.sharding.Mesh`; the heads are split over all its devices with shard_map (Hkv must
+    divide evenly) and each device runs the same mode on its heads.
     """
     if config is None:
         if mode is None:
@@ -426,8 +426,11 @@ def blocked(
         raise ValueError("q_group and kv_group must be given together (vision run ids, -1 = text)")
     b, h, s, _ = q.shape
     fold = config.batch_fold
+    if fold and k.shape[0] == b:  # as a model's layers hold it: folded here (a reshape)
+        k, v = fold_cache(k), fold_cache(v)
     if fold and k.shape[0] != 1:
-        raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D], got k {k.shape}")
+        raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D] or [B, Hkv, T, D], "
+                         f"got k {k.shape} for batch {b}")  # fmt: skip
     _check_values(q, k, v, q_pos, kv_pos)
     _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=fold)
     hkv = k.shape[1] // b if fold else k.shape[1]

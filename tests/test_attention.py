@@ -302,7 +302,8 @@ def test_blocked_rejects_bad_calls():
     with pytest.raises(ValueError, match="more blocks"):
         blocked(q, k, v, q_pos, kv_pos, mode="q", num_q_blocks=4)
     with pytest.raises(ValueError, match="batch_fold"):
-        blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, batch_fold=True)
+        blocked(q, k[[0, 1, 0]], v[[0, 1, 0]], q_pos, kv_pos, mode="kv", num_kv_blocks=2,
+                batch_fold=True)  # fmt: skip
     with pytest.raises(ValueError, match="ctx_len"):
         blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, ctx_len=5)
     with pytest.raises(ValueError, match="together"):
@@ -607,14 +608,21 @@ def test_input_checks_name_the_bad_value():
     with pytest.raises(ValueError) as err:
         reference(q, k1, v1, q_pos, kv_pos)
     assert str(err.value) == "k batch 1 does not match q batch 2"
+    k3, v3 = np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]])
     with pytest.raises(ValueError) as err:
-        blocked(q, k, v, q_pos, kv_pos, batch_fold=True, **opts)
-    assert str(err.value) == "batch_fold expects a cache [1, B·Hkv, T, D], got k (2, 2, 6, 4)"
+        blocked(q, k3, v3, q_pos, kv_pos, batch_fold=True, **opts)
+    assert str(err.value) == (
+        "batch_fold expects a cache [1, B·Hkv, T, D] or [B, Hkv, T, D], got k (3, 2, 6, 4) "
+        "for batch 2"
+    )
     with pytest.raises(ValueError) as err:
         blocked(q, fold(k)[:, :3], fold(v)[:, :3], q_pos, kv_pos, batch_fold=True, **opts)
     assert str(err.value) == "batch_fold cache rows 3 are not a multiple of batch 2"
     got = blocked(q, fold(k), fold(v), q_pos, kv_pos, batch_fold=True, **opts)
     assert rel_err(got, reference(q, k, v, q_pos, kv_pos)) <= 1e-12
+    # held unfolded, as a model's layers hold the cache: folded inside, the same answer
+    unfolded = blocked(q, k, v, q_pos, kv_pos, batch_fold=True, **opts)
+    assert rel_err(unfolded, reference(q, k, v, q_pos, kv_pos)) <= 1e-12
     with pytest.raises(ValueError) as err:
         blocked(q[:, :3], k, v, q_pos, kv_pos, **opts)
     assert str(err.value) == "query heads 3 must be a multiple of kv heads 2"

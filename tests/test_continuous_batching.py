@@ -3,12 +3,17 @@ prefilled alone into its slot (`step(..., batch_index)`, QEfficient's `batch_ind
 occupied slot decodes together, and a request leaves at its own length. Each request's tokens
 equal transformers' `generate` on that request alone."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from ref.attention import blocked
+from ref.blocking import BlockingConfig
+from ref.cache import fold
 from ref.gemma4 import Gemma4
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import chunk_bounds, image_runs
@@ -20,6 +25,9 @@ from tests.util import examples
 SLOTS, CTX, CHUNK = 3, 48, 8
 MARGIN = 1e-4
 _MODELS = {}
+# QEfficient's kv_batch_fold decode: the cache [1, SLOTS·Hkv, T, hd], KV blocks of 16 slots
+FOLDED = functools.partial(blocked, config=BlockingConfig(mode="kv", batch_fold=True,
+                                                          num_kv_blocks=3))  # fmt: skip
 
 
 def models():
@@ -47,9 +55,15 @@ def prefill_into(model, cache, slot, ids, soft):
     return cache, int(jnp.argmax(out["logits"][0, 0]))
 
 
-def serve(model, requests):
-    """requests: (arrival step, ids, soft tokens or None, new tokens) → tokens per request."""
+def serve(model, requests, folded=False):
+    """requests: (arrival step, ids, soft tokens or None, new tokens) → tokens per request.
+    folded: every layer's keys and values held batch-folded ([1, SLOTS·Hkv, T, hd]), decode
+    attending in `kv_batch_fold` blocks (`FOLDED`)."""
     cache = init_cache(model.config, SLOTS, CTX, slots_only=True)
+    decode = dict(config=model.config)
+    if folded:
+        cache = {n: {i: fold(x) for i, x in kv.items()} for n, kv in cache.items()}
+        decode["attention"] = FOLDED
     slot_of, position, last, done = {}, {}, {}, {i: [] for i in range(len(requests))}
     waiting = list(range(len(requests)))
     t = 0
@@ -71,7 +85,7 @@ def serve(model, requests):
             pos = np.full((SLOTS, 1), -1, np.int32)
             for r, s in slot_of.items():
                 ids[s, 0], pos[s, 0] = last[r], position[r]
-            out = step(model.params, model.lm_head, cache, ids, pos, config=model.config)
+            out = step(model.params, model.lm_head, cache, ids, pos, **decode)
             cache = out["cache"]
             for r, s in slot_of.items():
                 last[r] = int(jnp.argmax(out["logits"][s, -1]))
@@ -81,6 +95,7 @@ def serve(model, requests):
     return [np.array(done[i]) for i in range(len(requests))]
 
 
+@pytest.mark.parametrize("folded", [False, True])
 @settings(max_examples=examples(2))
 @given(
     lengths=st.lists(st.integers(3, 18), min_size=6, max_size=6),
@@ -89,7 +104,9 @@ def serve(model, requests):
     arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, seed):
+def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, seed, folded):
+    """Also with the cache held batch-folded (QEfficient's kv_batch_fold layout) and decode in
+    kv_batch_fold blocks: the prefill writes its slot's rows inside the folded cache."""
     hf, ours = models()
     rng = np.random.default_rng(seed)
     requests, want = [], []
@@ -103,7 +120,7 @@ def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, s
         soft = np.asarray(ours.vision.embed(patches, grids)[0]) if grids else None
         requests.append((arrival, ids, soft, n))
         want.append(tokens)
-    got = serve(ours, sorted(requests, key=lambda r: r[0]))
+    got = serve(ours, sorted(requests, key=lambda r: r[0]), folded)
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     for i, r in enumerate(order):
         np.testing.assert_array_equal(got[i], want[r])

@@ -48,7 +48,7 @@ def _bad(rows):
 
 def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     """...with continuous batching (3 slots) too, each cache drawn when its layer is reached:
-    each layer takes and puts back its slots' rows (before, the step took every slot's rows
+    each layer writes its slots' rows in place (before, the step took every slot's rows
     before the first layer, so all caches were drawn up front). No layer's output outlives
     it: as many jax arrays of the hidden width are alive after each graph's last layer as
     after its second (before, the decoder and the vision tower kept every layer's output for

@@ -4,6 +4,7 @@ their own lengths join free slots mid-decode, prefill (two at a time) into their
 Each request's tokens equal transformers' `generate` on that request alone."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from codegen.__main__ import main
 from codegen.export import ExportOptions, export
 from codegen.runtime import Request, RunError, Runner
+from codegen.verify import verify
 from tests.hf_vision import patches_for
 from tests.text_oracle import hf_generate, hf_model, prompt, text_config
 from tests.util import examples
@@ -22,28 +24,78 @@ MARGIN = 1e-4
 GRIDS = [(3, 3), (6, 6), (6, 9)]
 
 
+OPTIONS = dict(budgets=(70,), batch_size=BATCH, seq_len=12, ctx_len=96, hash_shards=False)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(transformers model, Runner) over a continuous-batching export of a dense VLM with
-    per-layer embeddings and KV sharing."""
+def hf_saved(tmp_path_factory):
+    """(transformers model, its checkpoint folder): a dense VLM with per-layer embeddings and
+    KV sharing."""
     layers = ["sliding_attention", "full_attention"] * 2
     hf = hf_model(text_config(moe=False, layer_types=layers, shared=2, ple=8, window=5), 17)
     folder = tmp_path_factory.mktemp("cb-model")
     hf.save_pretrained(folder)
+    return hf, folder
+
+
+@pytest.fixture(scope="module")
+def served(hf_saved, tmp_path_factory):
+    """(transformers model, Runner) over a continuous-batching export of `hf_saved`."""
+    hf, folder = hf_saved
     out = tmp_path_factory.mktemp("cb-export") / "out"
-    options = dict(budgets=(70,), batch_size=BATCH, seq_len=12, ctx_len=96, hash_shards=False)
-    export(ExportOptions(out=out, model=folder, full_batch_size=SLOTS, **options), log=print)
+    export(ExportOptions(out=out, model=folder, full_batch_size=SLOTS, **OPTIONS), log=print)
     return hf, Runner(out)
 
 
-@settings(max_examples=examples(2), suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
+# a few requests' prompt lengths, what else each holds (drawn from data), and a seed
+REQUESTS = dict(
     lengths=st.lists(st.integers(3, 20), min_size=6, max_size=7),
     data=st.data(),
     seed=st.integers(0, 2**31 - 1),
 )
+FIXTURES = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=examples(2), suppress_health_check=FIXTURES)
+@given(**REQUESTS)
 def test_each_request_gets_transformers_tokens(served, lengths, data, seed):
-    hf, runner = served
+    check_serve(*served, lengths, data, seed)
+
+
+@pytest.fixture(scope="module", params=["kv_batch_fold", "kv_headpar:batch_fold=true"])
+def folded_served(hf_saved, tmp_path_factory, request):
+    """(transformers model, Runner) over a continuous-batching export of `hf_saved` whose
+    decode folds the batch into the KV heads (QEfficient's batch fold, plain and
+    head-parallel), checked in onnxruntime as it is exported."""
+    hf, folder = hf_saved
+    out = tmp_path_factory.mktemp("cb-folded") / "out"
+    mode, _, extra = request.param.partition(":")
+    blocking = (mode, {"num_kv_blocks": 3, **({"batch_fold": True} if extra else {})})
+    options = dict(full_batch_size=SLOTS, decode_blocking=blocking, **OPTIONS)
+    export(ExportOptions(out=out, model=folder, **options), log=print)
+    return hf, Runner(out)
+
+
+@settings(max_examples=examples(1), suppress_health_check=FIXTURES)
+@given(**REQUESTS)
+def test_batch_folded_decode_serves_transformers_tokens(folded_served, lengths, data, seed):
+    """Every cache is [1, SLOTS·Hkv, T, D] in both graphs (the manifest's retained layout),
+    prefill writes its slot's rows inside it, and requests joining and leaving get
+    transformers' tokens."""
+    hf, runner = folded_served
+    manifest = json.loads((Path(runner.folder) / "manifest.json").read_text())
+    heads = hf.config.text_config.num_key_value_heads
+    assert manifest["retained_layout"]["past_key.0"][:2] == [1, SLOTS * heads]
+    assert all(g["options"]["folded_cache"] for g in manifest["graphs"] if g["kind"] != "vision")
+    check_serve(hf, runner, lengths, data, seed)
+    # layer by layer too: each folded cache drawn at its layer, compared there
+    rows = verify(runner.folder, seed=5, check_shards=False, layerwise_given=True)
+    assert rows and all(r[-1] for r in rows), rows
+
+
+def check_serve(hf, runner, lengths, data, seed):
+    """Requests of `lengths` tokens (images, new tokens and arrivals drawn from `data`) served
+    by `runner`: each gets transformers' tokens for it alone; one joins mid-decode."""
     rng = np.random.default_rng(seed)
     requests, want = [], []
     for length in lengths:

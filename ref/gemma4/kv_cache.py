@@ -6,15 +6,18 @@ positions and vision-run ids recorded, or slots only as QAIC's retained state ho
 policy its attention layers use. The array operations themselves are `ref.cache`'s.
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.tree_util import Partial
 
 from ref.cache import (
     causal_positions,
+    fold,
     rolling_slots,
     scatter_positions,
     take_rows,
+    unfold,
     update,
     window_keys,
 )
@@ -77,18 +80,57 @@ def _last_before(positions):
     return jnp.where(jnp.any(valid, axis=1, keepdims=True), first - 1, -1)
 
 
+def unfolded(kv, kv_heads):
+    """(kv as [F, Hkv, T, hd], F) for a batch-folded layer cache kv ([1, F·Hkv, T, hd], row
+    f·Hkv + h: QEfficient's kv_batch_fold layout), (kv, None) for one held unfolded."""
+    if kv[0].shape[1] == kv_heads:
+        return kv, None
+    rows = kv[0].shape[1] // kv_heads
+    return tuple(unfold(x, rows) for x in kv), rows
+
+
+def cache_view(config, cache):
+    """The cache's shapes with every layer's keys and values unfolded (`unfolded`), for checks
+    that read its rows: {"k", "v": {layer: ShapeDtypeStruct [F, Hkv, T, hd]}, the rest as
+    given}."""
+
+    def shape(x, heads):
+        one, rows, *rest = x.shape
+        return tuple(x.shape) if rows == heads else (one * rows // heads, heads, *rest)
+
+    def view(kv):
+        return {
+            i: jax.ShapeDtypeStruct(shape(x, config.kv_heads[int(i)]), x.dtype)
+            for i, x in kv.items()
+        }
+
+    return dict(cache, k=view(cache["k"]), v=view(cache["v"]))
+
+
+def _folded_write(write, kv, k, v):
+    """write(kv, k, v) on kv unfolded (`unfolded`; k [B, Hkv, S, hd]), the stored cache handed
+    back in the layout kv came in (a reshape each way, inside the layer)."""
+    kv, rows = unfolded(kv, k.shape[1])
+    stored, attended = write(kv, k, v)
+    return (stored if rows is None else tuple(fold(x) for x in stored)), attended
+
+
 def _linear_write(positions, rows, kv, k, v):
-    stored = update(*kv, k, v, positions, rows)
-    return stored, stored if rows is None else take_rows(stored, rows)
+    def write(kv, k, v):
+        stored = update(*kv, k, v, positions, rows)
+        return stored, stored if rows is None else take_rows(stored, rows)
+
+    return _folded_write(write, kv, k, v)
 
 
 def linear_memory(cache, positions, groups, rows=None):
     """Slot = position: (cache with the step's positions and run ids recorded, the keys'
     {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
 
-    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd]. rows:
-    None, or [B] int (continuous batching): kv holds F ≥ B cache slots, row b of the step is
-    written straight into kv's row rows[b] (−1: nothing) and attends to that row. A
+    positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd] (or
+    batch-folded [1, B·Hkv, T, hd], stored so again: `unfolded`). rows: None, or [B] int
+    (continuous batching): kv holds F ≥ B cache slots, row b of the step is written straight
+    into kv's row rows[b] (−1: nothing) and attends to that row. A
     slots-only cache derives the keys' positions (slot t holds position t up to the row's
     largest position) and knows only this step's run ids: every earlier key sits before all of
     this step's queries, so it is visible causally whatever its run.
@@ -105,9 +147,12 @@ def linear_memory(cache, positions, groups, rows=None):
 
 
 def _ring_write(ring_pos, positions, slots, rows, kv, k, v):
-    seen = kv if rows is None else take_rows(kv, rows)
-    k_all, v_all, _ = window_keys(*seen, ring_pos, k, v, positions)
-    return update(*kv, k, v, slots, rows), (k_all, v_all)
+    def write(kv, k, v):
+        seen = kv if rows is None else take_rows(kv, rows)
+        k_all, v_all, _ = window_keys(*seen, ring_pos, k, v, positions)
+        return update(*kv, k, v, slots, rows), (k_all, v_all)
+
+    return _folded_write(write, kv, k, v)
 
 
 def ring_positions(positions, window):

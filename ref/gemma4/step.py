@@ -14,7 +14,7 @@ import numpy as np
 from ref import validate
 from ref.attention import reference
 from ref.cache import put_rows, take_rows
-from ref.gemma4.kv_cache import cache_len
+from ref.gemma4.kv_cache import cache_len, cache_view
 from ref.gemma4.text import TextModel
 from ref.layers import linear
 
@@ -88,7 +88,8 @@ def apply_step(
     """One prefill chunk or decode step of the Gemma 4 text decoder (greedy-ready logits).
 
     params: the checkpoint's `model.language_model` tree; lm_head: [V, D], or None when tied
-    to embed_tokens; cache: see `init_cache` (ctx_len slots); input_ids, position_ids:
+    to embed_tokens; cache: see `init_cache` (ctx_len slots; keys and values may be held
+    batch-folded, [1, B·Hkv, T, hd]: `kv_cache.unfolded`); input_ids, position_ids:
     [B, S] (position −1 = padding column: computes nothing useful, writes nothing);
     vision_embeds: [B, vision_size, D] soft tokens per row (prefill), None to skip the merge
     (decode); image_idx: [B, 1] next unread soft token per row; attention: a function with
@@ -103,11 +104,11 @@ def apply_step(
     # continuous batching: the slots' records are taken here; each layer writes its keys and
     # values straight into its whole cache (`kv_cache.linear_memory`'s rows), where it is read
     records = {n: a for n, a in cache.items() if n not in ("k", "v")}
+    seen = cache_view(config, cache)  # keys and values as [F, Hkv, T, hd], folded or not
     if slots is not None:
-        seen = jax.eval_shape(take_rows, cache, slots)
+        seen = jax.eval_shape(take_rows, seen, slots)
         cache = dict(cache, **take_rows(records, slots))
-    check_step(config, cache if slots is None else seen, input_ids, position_ids,
-               vision_embeds, image_idx)  # fmt: skip
+    check_step(config, seen, input_ids, position_ids, vision_embeds, image_idx)
     model = TextModel(config, keep_states=return_hidden).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention,
         slots,
@@ -169,7 +170,7 @@ def step(
     """`apply_step` compiled (config, attention, last_only, return_hidden static), after
     `check_step_values` and `check_batch_index` on the concrete inputs; same arguments and
     result."""
-    check_batch_index(cache, input_ids, batch_index)
+    check_batch_index(cache_view(kw["config"], cache), input_ids, batch_index)
     check_step_values(kw["config"], cache, input_ids, position_ids, vision_embeds, image_idx)
     return _compiled_step(
         params, lm_head, cache, input_ids, position_ids, vision_embeds, image_idx, batch_index, **kw
