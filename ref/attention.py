@@ -21,6 +21,7 @@ from ref import online_softmax as osm
 from ref import validate
 from ref.blocking import BlockingConfig
 from ref.cache import fold as fold_cache
+from ref.cache import take_rows
 from ref.sharding import auto_axes
 
 
@@ -92,16 +93,37 @@ def reference(
     kv_group=None,
     scale=1.0,
     softcap=None,
+    cache_rows=None,
 ):
     """Dense masked attention in the QAIC cache layout — the answer every blocked mode equals.
 
     q: [B, H, S, D]; k, v: [B, Hkv, T, D]; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T]
     (int, −1 = padding / text) → [B, H, S, D]. See `mask` for which keys a query sees.
+    cache_rows: None, or [B] int (continuous batching): k, v hold F cache slots [F, Hkv, T, D]
+    and batch row b attends to slot cache_rows[b] (`ref.cache.take_rows`: a row outside
+    [0, F) reads the nearest slot, its answer is not used).
     """
+    k, v = _rows_of(k, v, q, cache_rows)
     _check_values(q, k, v, q_pos, kv_pos)
-    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=False)
+    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, k_batch=True)
     m = mask(q_pos, kv_pos, sliding_window=sliding_window, q_group=q_group, kv_group=kv_group)
     return attend(q, k, v, m, scale=scale, softcap=softcap)
+
+
+def _rows_of(k, v, q, cache_rows):
+    """(k, v) at the batch's cache slots cache_rows [B] (`take_rows`), or as given (None)."""
+    if cache_rows is None:
+        return k, v
+    _check_cache_rows(q, cache_rows)
+    return take_rows((k, v), cache_rows)
+
+
+def _check_cache_rows(q, cache_rows):
+    """Raise ValueError unless cache_rows is [B] for q [B, H, S, D]."""
+    shape = tuple(jnp.asarray(cache_rows).shape)
+    if shape != (q.shape[0],):
+        raise ValueError(f"cache_rows has shape {shape}; expected ({q.shape[0]},), one cache "
+                         f"slot per batch row of q {tuple(q.shape)}")  # fmt: skip
 
 
 def _check_values(q, k, v, q_pos, kv_pos):
@@ -112,9 +134,10 @@ def _check_values(q, k, v, q_pos, kv_pos):
     validate.positions("kv_pos", kv_pos)
 
 
-def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, fold):
+def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, k_batch):
     """Raise ValueError unless positions and groups are [B, S] / [B, T] for q [B, H, S, D] and a
-    cache of T slots (k [B, Hkv, T, D], or [1, B·Hkv, T, D] folded)."""
+    cache of T slots (k [B, Hkv, T, D] when k_batch; else [1, B·Hkv, T, D] folded or
+    [F, Hkv, T, D] cache slots)."""
     b, _, s, _ = q.shape
     t = k.shape[2]
     expected = {"q_pos": (b, s), "kv_pos": (b, t), "q_group": (b, s), "kv_group": (b, t)}
@@ -127,7 +150,7 @@ def _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, *, fold):
                 f"{name} has shape {shape}; expected {expected[name]} for q {tuple(q.shape)} "
                 f"and k {tuple(k.shape)}"
             )
-    if not fold and k.shape[0] != b:
+    if k_batch and k.shape[0] != b:
         raise ValueError(f"k batch {k.shape[0]} does not match q batch {b}")
 
 
@@ -210,12 +233,20 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
     return osm.finish(state, q.dtype).reshape(shape), prev if plan.ordered else None
 
 
-def _keys(k, v, *, rows, heads, kv, dtype):
+def _keys(k, v, cache_rows, *, rows, heads, kv, dtype):
     """Per KV block (bounds `kv`) of batch rows × kv heads (bounds): (K transposed
     [B', Hb, D, Tb], V [B', Hb, Tb, D]) in dtype; made once per head block, read by every
-    query block."""
+    query block. cache_rows: None, or [B] int: k, v hold F cache slots and the batch rows read
+    slots cache_rows[b0:b1], cut block by block (a KV block's rows are gathered, never the
+    whole cache)."""
     (b0, b1), (kv0, kv1) = rows, heads
-    blocks = [(k[b0:b1, kv0:kv1, t0:t1], v[b0:b1, kv0:kv1, t0:t1]) for t0, t1 in kv]
+
+    def cut(x, t0, t1):
+        if cache_rows is None:
+            return x[b0:b1, kv0:kv1, t0:t1]
+        return take_rows(x[:, kv0:kv1, t0:t1], cache_rows[b0:b1])
+
+    blocks = [(cut(k, t0, t1), cut(v, t0, t1)) for t0, t1 in kv]
     return [(jnp.swapaxes(kb.astype(dtype), -1, -2), vb.astype(dtype)) for kb, vb in blocks]
 
 
@@ -334,9 +365,11 @@ def _blocked(
     sliding_window,
     scale,
     softcap,
+    cache_rows=None,
 ):
     """`blocked` for one resolved plan on local arrays (see `blocked` for shapes); with
-    `heads_together` the plan's head blocks run as one (`_executed_heads`).
+    `heads_together` the plan's head blocks run as one (`_executed_heads`); with `cache_rows`
+    (not folded) k, v hold F cache slots, read block by block (`_keys`).
 
     Three jitted functions do the work: `_keys` per head block (each KV block's keys
     transposed, shared by every query block), `_tile_masks` per query block (each tile's mask,
@@ -347,6 +380,8 @@ def _blocked(
     """
     b, h, s, d = q.shape
     hkv = k.shape[1] // b if plan.batch_fold else k.shape[1]
+    if cache_rows is not None and plan.batch_fold:
+        raise ValueError("cache_rows with batch_fold: take the rows before folding")
     g = h // hkv
     q5 = q.reshape(b, hkv, g, s, d)
     if plan.batch_fold:
@@ -372,7 +407,7 @@ def _blocked(
         out_h = []
         for kv0, kv1, reps in _executed_heads(plan, heads_together):
             keys = _jit(_keys, trace, rows=rows, heads=(kv0, kv1), kv=plan.kv, dtype=q.dtype)
-            tiles = keys(k, v)
+            tiles = keys(k, v, cache_rows)
             out_r = []
             for r0, r1 in reps:
                 out_q = []
@@ -402,12 +437,16 @@ def blocked(
     softcap=None,
     config=None,
     mesh=None,
+    cache_rows=None,
     **options,
 ):
     """`reference`, computed block by block in one of QEfficient's blocking modes.
 
     q: [B, H, S, D]; k, v: [B, Hkv, T, D] (folded here with batch_fold), or [1, B·Hkv, T, D]
-    with batch_fold; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D]. mode
+    with batch_fold; q_pos, q_group: [B, S]; kv_pos, kv_group: [B, T] → [B, H, S, D].
+    cache_rows: None, or [B] int (continuous batching, as in `reference`): k, v [F, Hkv, T, D]
+    hold F cache slots and row b reads slot cache_rows[b], gathered one KV block at a time
+    (with batch_fold or a mesh, all at once before folding or sharding). mode
     and options (num_kv_blocks, num_q_blocks, head_block_size, num_batch_blocks,
     headpar_split, batch_fold, prefill_block_chunks, prefill_n_rep_chunk, skip_kv, ctx_len,
     num_cores, ordered) as in `ref.blocking.BlockingConfig`, or a ready `config=`. mesh: a
@@ -426,13 +465,19 @@ def blocked(
         raise ValueError("q_group and kv_group must be given together (vision run ids, -1 = text)")
     b, h, s, _ = q.shape
     fold = config.batch_fold
+    if cache_rows is not None and (fold or mesh is not None):
+        k, v = _rows_of(k, v, q, cache_rows)
+        cache_rows = None
     if fold and k.shape[0] == b:  # as a model's layers hold it: folded here (a reshape)
         k, v = fold_cache(k), fold_cache(v)
     if fold and k.shape[0] != 1:
         raise ValueError(f"batch_fold expects a cache [1, B·Hkv, T, D] or [B, Hkv, T, D], "
                          f"got k {k.shape} for batch {b}")  # fmt: skip
     _check_values(q, k, v, q_pos, kv_pos)
-    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, fold=fold)
+    if cache_rows is not None:
+        _check_cache_rows(q, cache_rows)
+    k_batch = not fold and cache_rows is None
+    _check_positions(q, k, q_pos, kv_pos, q_group, kv_group, k_batch=k_batch)
     hkv = k.shape[1] // b if fold else k.shape[1]
     if fold and k.shape[1] != b * hkv:
         raise ValueError(f"batch_fold cache rows {k.shape[1]} are not a multiple of batch {b}")
@@ -442,7 +487,7 @@ def blocked(
     kwargs["heads_together"] = "r" in config.axes
     if mesh is None:
         plan = config.plan(b, h, hkv, s, k.shape[2], num_devices=jax.local_device_count())
-        return _blocked(q, k, v, q_pos, kv_pos, *groups, plan, **kwargs)
+        return _blocked(q, k, v, q_pos, kv_pos, *groups, plan, cache_rows=cache_rows, **kwargs)
     return _sharded(q, k, v, q_pos, kv_pos, groups, config, mesh, kwargs)
 
 

@@ -151,6 +151,43 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
     assert rel_err(got, want) <= TOL[dtype], (mode, opts)
 
 
+@settings(max_examples=examples(15))
+@given(cases(), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_cache_rows_read_the_batch_slots(case, spare, seed):
+    """Continuous batching: k, v hold F = B + spare cache slots and row b attends to slot
+    rows[b]. `reference` and every blocked mode (which gathers a KV block at a time) equal the
+    dense answer on the rows picked out here by numpy indexing, in float64."""
+    shapes, mode, opts, extra = case
+    rng = np.random.default_rng(seed)
+    q, k, v, q_pos, kv_pos, groups = problem(
+        rng, **shapes, dtype=np.float64, scenario="chunk", vision=False
+    )
+    b = q.shape[0]
+    rows = rng.permutation(b + spare)[:b].astype(np.int32)
+    slots_k = rng.standard_normal((b + spare, *k.shape[1:]))
+    slots_v = rng.standard_normal((b + spare, *v.shape[1:]))
+    slots_k[rows], slots_v[rows] = k, v
+    want = jitted(reference, q, k, v, q_pos, kv_pos, **groups, **extra)
+    dense = jitted(
+        reference, q, slots_k, slots_v, q_pos, kv_pos, cache_rows=rows, **groups, **extra
+    )
+    assert rel_err(dense, want) == 0.0
+    got = jitted(blocked, q, slots_k, slots_v, q_pos, kv_pos, mode=mode, cache_rows=rows,
+                 **opts, **groups, **extra)  # fmt: skip
+    assert rel_err(got, want) <= TOL[np.float64], (mode, opts)
+
+
+def test_cache_rows_shape_is_checked():
+    rng = np.random.default_rng(0)
+    q, k, v, q_pos, kv_pos, _ = problem(
+        rng, b=2, h=2, hkv=1, s=1, t=4, d=4, dtype=np.float32, scenario="chunk", vision=False
+    )
+    with pytest.raises(ValueError, match=r"cache_rows has shape \(3,\); expected \(2,\)"):
+        reference(q, k, v, q_pos, kv_pos, cache_rows=np.arange(3))
+    with pytest.raises(ValueError, match=r"cache_rows has shape \(1,\); expected \(2,\)"):
+        blocked(q, k, v, q_pos, kv_pos, mode="kv", num_kv_blocks=2, cache_rows=np.arange(1))
+
+
 @settings(max_examples=examples(8))
 @given(st.sampled_from([1, 5]), st.sampled_from([3, 6]), st.integers(0, 2**32 - 1))
 def test_reference_padding_rows_are_zero_and_dense_oracle(s, t, seed):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ref.attention import blocked
+from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig
 from ref.cache import fold
 from ref.gemma4 import Gemma4
@@ -28,6 +28,8 @@ _MODELS = {}
 # QEfficient's kv_batch_fold decode: the cache [1, SLOTS·Hkv, T, hd], KV blocks of 16 slots
 FOLDED = functools.partial(blocked, config=BlockingConfig(mode="kv", batch_fold=True,
                                                           num_kv_blocks=3))  # fmt: skip
+# kv blocks over the cache's slots, each block's rows gathered for the step (`cache_rows`)
+BLOCKED = functools.partial(blocked, config=BlockingConfig(mode="kv", num_kv_blocks=3))
 
 
 def models():
@@ -38,9 +40,9 @@ def models():
     return _MODELS["pair"]
 
 
-def prefill_into(model, cache, slot, ids, soft):
+def prefill_into(model, cache, slot, ids, soft, attention=reference):
     """Prefill one request into cache slot `slot`, chunk by chunk → (cache, first token)."""
-    run = dict(config=model.config, last_only=True)
+    run = dict(config=model.config, last_only=True, attention=attention)
     vision = None if soft is None else jnp.asarray(soft[None])
     image_idx = None if soft is None else jnp.zeros((1, 1), jnp.int32)
     for s, e in chunk_bounds(len(ids), image_runs(ids, IMAGE), CHUNK):
@@ -55,15 +57,19 @@ def prefill_into(model, cache, slot, ids, soft):
     return cache, int(jnp.argmax(out["logits"][0, 0]))
 
 
-def serve(model, requests, folded=False):
+def serve(model, requests, kernel="dense"):
     """requests: (arrival step, ids, soft tokens or None, new tokens) → tokens per request.
-    folded: every layer's keys and values held batch-folded ([1, SLOTS·Hkv, T, hd]), decode
-    attending in `kv_batch_fold` blocks (`FOLDED`)."""
+    kernel "dense": `reference` throughout; "blocked": prefill (into its slot of the whole
+    cache) and decode attend in kv blocks (`BLOCKED`); "folded": every layer's keys and values
+    held batch-folded ([1, SLOTS·Hkv, T, hd]), decode attending in `kv_batch_fold` blocks
+    (`FOLDED`)."""
     cache = init_cache(model.config, SLOTS, CTX, slots_only=True)
-    decode = dict(config=model.config)
-    if folded:
+    decode, prefill = dict(config=model.config), reference
+    if kernel == "folded":
         cache = {n: {i: fold(x) for i, x in kv.items()} for n, kv in cache.items()}
         decode["attention"] = FOLDED
+    elif kernel == "blocked":
+        decode["attention"] = prefill = BLOCKED
     slot_of, position, last, done = {}, {}, {}, {i: [] for i in range(len(requests))}
     waiting = list(range(len(requests)))
     t = 0
@@ -75,7 +81,7 @@ def serve(model, requests, folded=False):
             waiting.remove(r)
             _, ids, soft, _ = requests[r]
             slot_of[r] = free[0]
-            cache, last[r] = prefill_into(model, cache, free[0], ids, soft)
+            cache, last[r] = prefill_into(model, cache, free[0], ids, soft, prefill)
             done[r].append(last[r])
             position[r] = len(ids)
         for r in [r for r in slot_of if len(done[r]) == requests[r][3]]:
@@ -95,7 +101,7 @@ def serve(model, requests, folded=False):
     return [np.array(done[i]) for i in range(len(requests))]
 
 
-@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("kernel", ["dense", "blocked", "folded"])
 @settings(max_examples=examples(2))
 @given(
     lengths=st.lists(st.integers(3, 18), min_size=6, max_size=6),
@@ -104,9 +110,10 @@ def serve(model, requests, folded=False):
     arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, seed, folded):
-    """Also with the cache held batch-folded (QEfficient's kv_batch_fold layout) and decode in
-    kv_batch_fold blocks: the prefill writes its slot's rows inside the folded cache."""
+def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, seed, kernel):
+    """Also attending in kv blocks, a prefill reading its slot of the whole cache block by
+    block; and with the cache held batch-folded (QEfficient's kv_batch_fold layout) and decode
+    in kv_batch_fold blocks: the prefill writes its slot's rows inside the folded cache."""
     hf, ours = models()
     rng = np.random.default_rng(seed)
     requests, want = [], []
@@ -120,7 +127,7 @@ def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, s
         soft = np.asarray(ours.vision.embed(patches, grids)[0]) if grids else None
         requests.append((arrival, ids, soft, n))
         want.append(tokens)
-    got = serve(ours, sorted(requests, key=lambda r: r[0]), folded)
+    got = serve(ours, sorted(requests, key=lambda r: r[0]), kernel)
     order = sorted(range(len(requests)), key=lambda i: requests[i][0])
     for i, r in enumerate(order):
         np.testing.assert_array_equal(got[i], want[r])

@@ -243,20 +243,48 @@ def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_
         assert writes and all(caches == into for caches, into in writes.values()), writes
 
 
+def test_blocked_decode_reads_the_step_rows_block_by_block(default_model, tmp_path_factory):
+    """With continuous batching and a kv-blocked decode, no layer gathers its step's rows out
+    of a whole cache (once: a gathered copy of the written cache per layer and step, 4 GiB of
+    float32 at a 31B full layer with 4 slots of 65,536); the export still verifies."""
+    out = tmp_path_factory.mktemp("cb-blocked") / "out"
+    options = dict(budgets=(), sliding_ring=False, full_batch_size=2, seq_len=8, ctx_len=64)
+    blocking = ("kv", {"num_kv_blocks": 4})
+    opts = ExportOptions(out=out, model=default_model, decode_blocking=blocking, **options)
+    export(opts, log=lambda msg: None)
+    gathers = _whole_cache_gathers(onnx.load(out / "decode.onnx", load_external_data=False))
+    assert gathers == {}, gathers
+
+
+def _layer_caches(model):
+    """(layer function, its cache inputs' names inside it) for each function called on
+    past_key/past_value graph inputs."""
+    functions = {f.name: f for f in model.functions}
+    inputs = {i.name for i in model.graph.input}
+    for node in model.graph.node:
+        f = functions.get(node.op_type)
+        pairs = () if f is None else zip(node.input, f.input, strict=True)
+        caches = sorted(x for n, x in pairs if n in inputs and "past_" in n)
+        if caches:
+            yield f, caches
+
+
+def _whole_cache_gathers(model):
+    """{layer function: its gathers whose data is a whole cache (a cache input or a
+    ScatterND's written cache)} for each layer function that has one."""
+    found = {}
+    for f, caches in _layer_caches(model):
+        whole = set(caches) | {n.output[0] for n in f.node if n.op_type == "ScatterND"}
+        bad = [n.name for n in f.node if n.op_type.startswith("Gather") and n.input[0] in whole]
+        if bad:
+            found[f.name] = bad
+    return found
+
+
 def _cache_writes(model):
     """{layer function: (its cache inputs, the inputs its ScatterNDs write into)}, for each
     function called on past_key/past_value graph inputs."""
-    functions = {f.name: f for f in model.functions}
-    inputs = {i.name for i in model.graph.input}
-    found = {}
-    for node in model.graph.node:
-        f = functions.get(node.op_type)
-        if f is None:
-            continue
-        caches = [
-            x for n, x in zip(node.input, f.input, strict=True) if n in inputs and "past_" in n
-        ]
-        if caches:
-            into = [n.input[0] for n in f.node if n.op_type == "ScatterND"]
-            found[f.name] = (sorted(caches), sorted(into))
-    return found
+    return {
+        f.name: (caches, sorted(n.input[0] for n in f.node if n.op_type == "ScatterND"))
+        for f, caches in _layer_caches(model)
+    }

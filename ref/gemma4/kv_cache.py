@@ -118,19 +118,22 @@ def _folded_write(write, kv, k, v):
 def _linear_write(positions, rows, kv, k, v):
     def write(kv, k, v):
         stored = update(*kv, k, v, positions, rows)
-        return stored, stored if rows is None else take_rows(stored, rows)
+        return stored, stored
 
     return _folded_write(write, kv, k, v)
 
 
 def linear_memory(cache, positions, groups, rows=None):
     """Slot = position: (cache with the step's positions and run ids recorded, the keys'
-    {"kv_pos", "kv_group"} [B, T], write(kv, k, v) → (stored, attended) for `Attention`).
+    {"kv_pos", "kv_group"} [B, T] (and "cache_rows" with rows), write(kv, k, v) → (stored,
+    attended) for `Attention`).
 
     positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd] (or
     batch-folded [1, B·Hkv, T, hd], stored so again: `unfolded`). rows: None, or [B] int
     (continuous batching): kv holds F ≥ B cache slots, row b of the step is written straight
-    into kv's row rows[b] (−1: nothing) and attends to that row. A
+    into kv's row rows[b] (−1: nothing) and attends to that row: attended is the whole
+    written cache [F, Hkv, T, hd] and the keys carry "cache_rows" = rows, which the attention
+    reads a KV block at a time (`ref.attention.blocked`), never as a gathered copy. A
     slots-only cache derives the keys' positions (slot t holds position t up to the row's
     largest position) and knows only this step's run ids: every earlier key sits before all of
     this step's queries, so it is visible causally whatever its run.
@@ -143,7 +146,10 @@ def linear_memory(cache, positions, groups, rows=None):
         pos = causal_positions(positions, cache_len(cache))
         # jnp.full, not full_like: an export keeps it as an op, not a [B, T] constant
         group = scatter_positions(jnp.full(pos.shape, -1, pos.dtype), groups, positions)
-    return cache, {"kv_pos": pos, "kv_group": group}, Partial(_linear_write, positions, rows)
+    keys = {"kv_pos": pos, "kv_group": group}
+    if rows is not None:
+        keys["cache_rows"] = rows
+    return cache, keys, Partial(_linear_write, positions, rows)
 
 
 def _ring_write(ring_pos, positions, slots, rows, kv, k, v):

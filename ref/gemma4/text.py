@@ -76,8 +76,9 @@ def layer_mask_args(config, positions, groups, full, sliding):
     """Each layer type's mask arguments for `Attention` (keywords of `ref.attention.reference`).
 
     positions, groups: [B, S] (−1 = padding / text); full, sliding: {"kv_pos", "kv_group"}
-    [B, T] of the keys each layer type attends over → {layer type: kwargs}. Sliding layers get
-    the window and, with bidirectional_vision, the vision runs; full layers are causal only.
+    [B, T] of the keys each layer type attends over, and "cache_rows" [B] where those keys are
+    a continuous-batching cache's slots (`linear_memory`) → {layer type: kwargs}. Sliding layers
+    get the window and, with bidirectional_vision, the vision runs; full layers are causal only.
     """
     args = {
         FULL: dict(q_pos=positions, kv_pos=full["kv_pos"]),
@@ -87,6 +88,9 @@ def layer_mask_args(config, positions, groups, full, sliding):
     }
     if config.bidirectional_vision:
         args[SLIDING].update(q_group=groups, kv_group=sliding["kv_group"])
+    for kind, keys in ((FULL, full), (SLIDING, sliding)):
+        if "cache_rows" in keys:
+            args[kind]["cache_rows"] = keys["cache_rows"]
     return args
 
 
@@ -104,7 +108,8 @@ class Attention(nn.Module):
     def __call__(self, x, positions, kv, mask_args, attention, write):
         """x: [B, S, D]; positions: [B, S]; kv: this layer's cache (k, v), or a KV-sharing
         consumer's producer's keys/values as the producer attended to them; write(kv, k, v)
-        [B, Hkv, S, hd] → (stored cache, keys/values to attend to)
+        [B, Hkv, S, hd] → (stored cache, keys/values to attend to: [B, Hkv, T, hd], or a
+        continuous-batching cache's F slots read at mask_args' cache_rows)
         → (out [B, S, D], stored cache or None, attended (k, v))."""
         c, i = self.config, self.layer
         b, s, _ = x.shape
