@@ -7,7 +7,7 @@ the mask, the tiles (computed / computed but fully masked / skipped), their orde
 partial results combine.
 
 The blocks are `ref.blocking.BlockingConfig(...).plan(...)`'s; what is walked here is the loop
-nest of `ref.attention._blocked` (batch block → head block → query-head range → query block →
+nest of `ref.attention.blocks._blocked` (batch block → head block → query-head range → query block →
 KV block → pieces), and the pieces of a head-parallel block are `ref.blocking.ranges` of it.
 
 Cost model (one definition, used for dense too). A loop is one query block of one head range:

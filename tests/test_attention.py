@@ -792,7 +792,7 @@ def test_prefill_heads_together_equal_the_plans_head_by_head_schedule(case, visi
     QEfficient's prefill kernels do) where `Plan.heads` — the schedule the kernel kit
     publishes — lists one kv head per block: the batched path equals that plan run head by head
     and the dense reference (float64, 1e-12)."""
-    from ref.attention import _blocked, _executed_heads
+    from ref.attention.blocks import _blocked, _executed_heads
     from ref.blocking import BlockingConfig
 
     shapes, opts = case

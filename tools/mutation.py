@@ -33,17 +33,20 @@ SCRATCH = ROOT / "build" / "mutation"
 TREES = ["ref", "weights", "codegen", "benchmarks", "tests", "docs"]  # docs: tests read them
 FILES = ["README.md"]  # tests/test_blocking.py checks the README's table of modes
 
+# Not the hypothesis sweep over random shapes nor the transformers comparison (minutes per
+# mutant under eager JAX); the numpy oracles, exact masks and the fixed-shape mode sweep.
+ATTENTION_TESTS = [
+    "tests/test_attention.py",
+    "-k",
+    "not test_blocked_equals_reference and not test_reference_matches_transformers",
+]
+
 # Module → the pytest arguments that select its tests (fast ones: they run once per mutant).
 MODULES = {
     "ref/cache.py": ["tests/test_cache.py", "tests/test_attention_export.py"],
     "ref/blocking.py": ["tests/test_blocking.py"],
-    # Not the hypothesis sweep over random shapes nor the transformers comparison (minutes per
-    # mutant under eager JAX); the numpy oracles, exact masks and the fixed-shape mode sweep.
-    "ref/attention.py": [
-        "tests/test_attention.py",
-        "-k",
-        "not test_blocked_equals_reference and not test_reference_matches_transformers",
-    ],
+    "ref/attention/dense.py": ATTENTION_TESTS,
+    "ref/attention/blocks.py": ATTENTION_TESTS,
     "ref/rope.py": ["tests/test_rope.py"],
     "ref/gemma4/packing.py": ["tests/test_packing.py"],
     "weights/safetensors.py": ["tests/test_weights.py"],
@@ -51,7 +54,7 @@ MODULES = {
 
 # Extra environment per module. attention: four CPU devices, so `mesh=` really splits the heads
 # in-process (test_blocked_over_every_device_of_this_process), where mutmut can see it.
-ENV = {"ref/attention.py": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}
+ENV = {"ref/attention/blocks.py": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}}
 
 
 def toml_value(value):
