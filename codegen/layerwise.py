@@ -16,7 +16,9 @@ The dense attention of `ref` runs one slice of queries at a time (`sliced_refere
 scores stay near `SCORE_BYTES` at any context length.
 """
 
+import ctypes
 import dataclasses
+import mmap
 import os
 import re
 import tempfile
@@ -28,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from codegen import graphs
-from codegen.folder import give_back
+from codegen.folder import LIBC, give_back
 from codegen.segments import LayerwiseError, Runner, head_rows
 from ref.attention import reference
+from ref.cache import take_rows
 from ref.gemma4.step import Logits
 from ref.layers import Embedding
 from ref.numerics import aval, host_call
@@ -39,14 +42,20 @@ RTOL = 1e-5  # as verify.RTOL: the same tolerance per compared value
 SCORE_BYTES = 1 << 28  # float32 scores of one query slice of the dense reference
 ERROR_CHUNK = 1 << 24  # elements compared at a time (a 1 GiB cache: 64 chunks of 128 MiB)
 SPILL_BYTES = 64 << 20  # a `ref` result above this waits on disk while it is not read (`spilled`)
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4  # Linux
 LAYER_NAME = re.compile(r"(^|\.)layers\.\d+\.")
 _PLACEHOLDER = np.zeros((0,), np.float32)
 
 
-def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, **kw):
+def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, cache_rows=None, **kw):
     """`ref.attention.reference` computed over slices of the queries, concatenated (exact:
     each query attends independently). q: [B, H, S, D]; the slice keeps H·slice·T float32
-    scores under SCORE_BYTES."""
+    scores under SCORE_BYTES. With cache_rows (continuous batching: k, v hold F cache slots)
+    one batch row at a time, its slot taken once: a gathered copy of one slot, never of every
+    row (a 31B full layer with 4 slots of 65,536: 1 GiB instead of 4)."""
+    if cache_rows is not None:
+        return _per_row(q, k, v, q_pos, kv_pos, q_group, kv_group, cache_rows, kw)
     b, h, s, _ = q.shape
     step = max(1, SCORE_BYTES // (4 * b * h * k.shape[2]))
     if step >= s:
@@ -61,9 +70,21 @@ def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, **k
     return jnp.concatenate(parts, axis=2)
 
 
+def _per_row(q, k, v, q_pos, kv_pos, q_group, kv_group, cache_rows, kw):
+    """`sliced_reference` of each batch row b on its own cache slot cache_rows[b] → [B, H, S, D]."""
+    parts = []
+    for b in range(q.shape[0]):
+        one = slice(b, b + 1)
+        grp = {} if q_group is None else dict(q_group=q_group[one], kv_group=kv_group[one])
+        rows = take_rows((k, v), cache_rows[one])
+        parts.append(sliced_reference(q[one], *rows, q_pos[one], kv_pos[one], **grp, **kw))
+    return jnp.concatenate(parts, axis=0)
+
+
 def error(got, want, chunk=ERROR_CHUNK):
     """(max abs error, relative error) of onnxruntime's `got` against `ref`'s `want`, in
     float64 over `chunk` elements at a time (a NaN anywhere gives NaN)."""
+    mapped = [x for x in (got, want) if isinstance(x, np.memmap)]
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         return float("inf"), float("inf")
@@ -75,8 +96,23 @@ def error(got, want, chunk=ERROR_CHUNK):
         w = want[a : a + chunk].astype(np.float64)
         err = np.maximum(err, np.max(np.abs(got[a : a + chunk].astype(np.float64) - w)))
         scale = np.maximum(scale, np.max(np.abs(w)))
+        for x in mapped:
+            drop_pages(x.reshape(-1)[a : a + chunk])
     err, scale = float(err), float(scale)
     return err, err / scale if scale else err
+
+
+def drop_pages(x):
+    """Hand back the whole pages under x, a view of a read-only file mapping (`spilled`), with
+    madvise(MADV_DONTNEED): they are read again from the file if touched, so a compared result
+    does not stay resident (a 31B full layer's written caches with 4 slots: 4 GiB). Nothing
+    without glibc."""
+    if LIBC is None or not x.size:
+        return
+    start = -(-x.ctypes.data // PAGE) * PAGE
+    end = (x.ctypes.data + x.nbytes) // PAGE * PAGE
+    if end > start:
+        LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 class Worst:

@@ -10,6 +10,7 @@ same shape), so `ref` is untouched and onnxruntime computes with the wrong weigh
 import os
 import shutil
 
+import numpy as np
 import onnx
 import pytest
 
@@ -20,6 +21,7 @@ from codegen.export import ExportOptions, export
 from codegen.graphs import text_config
 from codegen.model_graphs import cache_owners
 from codegen.verify import verify
+from ref.attention import reference
 from weights import open_checkpoint
 
 LAYERED = ("vision", "prefill", "decode")
@@ -358,3 +360,52 @@ def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypat
         assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
     for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
         assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 28, 64])
+def test_sliced_reference_attends_each_row_to_its_slot(score_bytes, monkeypatch):
+    """With cache_rows (k, v hold F cache slots) the layer-by-layer reference attends row by
+    row, each to its own slot, also cut into query slices: equal to the dense answer on the
+    slots picked out by numpy indexing."""
+    monkeypatch.setattr(layerwise, "SCORE_BYTES", score_bytes)
+    rng = np.random.default_rng(3)
+    b, f, h, hkv, s, t, d = 2, 4, 4, 2, 3, 8, 4
+    q = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    k, v = (rng.standard_normal((f, hkv, t, d)).astype(np.float32) for _ in range(2))
+    q_pos = np.array([[5, 6, 7], [2, 3, -1]], np.int32)
+    kv_pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    rows = np.array([3, 1], np.int32)
+    got = layerwise.sliced_reference(q, k, v, q_pos, kv_pos, cache_rows=rows, sliding_window=3)
+    want = reference(q, k[rows], v[rows], q_pos, kv_pos, sliding_window=3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _resident_bytes(address):
+    """Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and head[0] == "Rss:":
+            return int(head[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's smaps")
+def test_comparing_a_spilled_result_leaves_it_out_of_memory(tmp_path, monkeypatch):
+    """`error` on a result `spilled` to disk hands back each compared chunk's pages: the
+    mapping is not resident afterwards (it was all of it, 32 MiB, before), and the numbers
+    are those of the same comparison in memory."""
+    monkeypatch.setattr(layerwise, "SPILL_BYTES", 0)
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal(1 << 23).astype(np.float32)
+    got = want + np.float32(1e-3)
+    mapped = layerwise.spilled(want, tmp_path)
+    assert isinstance(mapped, np.memmap)
+    address = mapped.ctypes.data
+    assert layerwise.error(got, mapped, chunk=1 << 20) == layerwise.error(got, want)
+    assert _resident_bytes(address) <= 2 * 4096
+    np.testing.assert_array_equal(mapped, want)  # read again from the file
+    assert _resident_bytes(address) >= want.nbytes - 2 * 4096
