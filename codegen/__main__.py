@@ -3,7 +3,8 @@ codegen/cli.py; see `--help` of each)."""
 
 import sys
 
-from codegen.cli import blocking_modes, parser
+from codegen.arguments import blocking_modes
+from codegen.cli import parser
 
 
 def _run_kit(args):

@@ -4,9 +4,9 @@ run, serve, verify, drift, vectors, plan), with the argument types that read the
 import argparse
 from pathlib import Path
 
+from codegen import arguments
 from ref import formats
-from ref.blocking import DENSE_NAMES, VISION_TILES
-from ref.blocking import names as blocking_names
+from ref.blocking import VISION_TILES
 from ref.gemma4.images import BUDGETS, DEFAULT_BUDGETS
 
 
@@ -15,80 +15,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _budgets(text):
-    try:
-        return tuple(int(b) for b in text.split(",") if b)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
-
-
-def _tiles(text):
-    """(query tiles, KV tiles) from QxKV, or Q for Q×Q."""
-    q, _, kv = text.partition("x")
-    try:
-        return int(q), int(kv or q)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected QxKV or Q, e.g. 5x5") from None
-
-
-def _mode_options(text, known):
-    """(mode, {option: value}) from MODE or MODE:opt=value,opt=value."""
-    mode, _, rest = text.partition(":")
-    if mode not in known:
-        raise argparse.ArgumentTypeError(
-            f"unknown blocking mode {mode!r}; expected one of {', '.join(known)}"
-        )
-    options = {}
-    for item in rest.split(",") if rest else ():
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise argparse.ArgumentTypeError(f"{item!r} in {text!r}: expected option=value")
-        if value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-        else:
-            try:
-                options[key] = int(value)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{item!r}: expected an integer value") from None
-    return mode, options
-
-
-def blocking_modes(text):
-    """An attention graph's MODE[:opt=value,...] (options left out take the mode's defaults in
-    `ref.blocking.TABLE`, clipped to the graph's sizes); `all` is every mode and alias with its
-    defaults, and `none` (dense)."""
-    every = [n for n in blocking_names() if n not in DENSE_NAMES]
-    if text == "all":
-        return [(m, {}) for m in every] + [("none", {})]
-    return [_mode_options(text, ["all", *DENSE_NAMES, *every])]
-
-
-def _phase_blocking(text):
-    """A model graph's MODE[:opt=value,...] (options left out: the mode's defaults)."""
-    return _mode_options(text, list(blocking_names(prefill=True)))
-
-
-def _ids(text):
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids") from None
-
-
-def _grid(text):
-    h, x, w = text.lower().partition("x")
-    if not (x and h.isdigit() and w.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected HxW in patches, e.g. 6x9")
-    return int(h), int(w)
-
-
-def _graph_kinds(text):
-    kinds = tuple(k for k in text.split(",") if k)
-    if not kinds or set(kinds) - {"model", "attention"}:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected model, attention or model,attention")
-    return kinds
 
 
 def parser():
@@ -114,7 +40,7 @@ def parser():
     e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     e.add_argument(
         "--budgets",
-        type=_budgets,
+        type=arguments.budgets,
         default=DEFAULT_BUDGETS,
         help="vision soft-token budgets, one specialization each, from "
         f"{','.join(map(str, BUDGETS))} (default {','.join(map(str, DEFAULT_BUDGETS))}; "
@@ -122,7 +48,7 @@ def parser():
     )
     e.add_argument(
         "--vision-tiles",
-        type=_tiles,
+        type=arguments.tiles,
         default=VISION_TILES,
         metavar="QxKV",
         help="the vision graph's attention in Q query tiles × KV tiles with the online-softmax "
@@ -132,7 +58,7 @@ def parser():
     )
     e.add_argument(
         "--graphs",
-        type=_graph_kinds,
+        type=arguments.graph_kinds,
         default=("model",),
         help="what to export besides the vision tower: model (the language model's prefill "
         "and decode graphs; the default), attention (stacks of text attention layers, one per "
@@ -140,7 +66,7 @@ def parser():
     )
     e.add_argument(
         "--prefill-blocking",
-        type=_phase_blocking,
+        type=arguments.phase_blocking,
         default=("none", {}),
         metavar="MODE[:opt=v,...]",
         help="the prefill graph's attention: none (dense, the default), q, kv, qkv, online "
@@ -149,7 +75,7 @@ def parser():
     )
     e.add_argument(
         "--decode-blocking",
-        type=_phase_blocking,
+        type=arguments.phase_blocking,
         default=("none", {}),
         metavar="MODE[:opt=v,...]",
         help="the decode graph's attention: none (dense, the default) or a mode such as kv, "
@@ -170,7 +96,7 @@ def parser():
     )
     e.add_argument(
         "--blocking",
-        type=blocking_modes,
+        type=arguments.blocking_modes,
         action="append",
         metavar="MODE[:opt=v,...]",
         help="with --graphs attention, an attention graph per use: a mode (kv, q, h, qkv, hq, "
@@ -301,7 +227,7 @@ def parser():
     )
     r.add_argument(
         "--prompt-ids",
-        type=_ids,
+        type=arguments.token_ids,
         action="append",
         metavar="ID,ID,...",
         help="one prompt row's token ids (repeatable: one row each, up to the exported batch "
@@ -319,7 +245,7 @@ def parser():
     )
     r.add_argument(
         "--grid",
-        type=_grid,
+        type=arguments.grid,
         action="append",
         default=[],
         metavar="HxW",
