@@ -50,6 +50,7 @@ MODULES = {
     "ref/rope.py": ["tests/test_rope.py"],
     "ref/gemma4/packing.py": ["tests/test_packing.py"],
     "weights/safetensors.py": ["tests/test_weights.py"],
+    "weights/writer.py": ["tests/test_weights.py"],
 }
 
 # Extra environment per module. attention: four CPU devices, so `mesh=` really splits the heads

@@ -22,8 +22,8 @@ from weights.safetensors import (
     read_header,
     read_metadata,
     read_tensor,
-    write_safetensors,
 )
+from weights.writer import write_safetensors
 
 __all__ = [
     "DTYPES",

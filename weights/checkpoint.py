@@ -22,13 +22,12 @@ from weights.errors import CheckpointError
 from weights.safetensors import (
     MAX_HEADER_BYTES,
     TensorInfo,
-    atomic_write,
     open_regular,
     parse_json,
     read_header,
     read_tensor,
-    write_safetensors,
 )
+from weights.writer import atomic_write, write_safetensors
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
