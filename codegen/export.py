@@ -30,7 +30,7 @@ from codegen import (
     vision_graph,
 )
 from codegen.clip import clip_fp16
-from codegen.folder import FORMAT, MANIFEST
+from codegen.folder import FORMAT, MANIFEST, publish
 from codegen.ops import OPSET
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
@@ -262,41 +262,6 @@ def _prepare_out(out, force):
     return out
 
 
-def _publish(tmp, out):
-    """Rename the finished temporary folder to `out`, replacing what is there."""
-    if out.is_dir() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
-        os.replace(out, old / "replaced")
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        if out.is_dir():
-            out.rmdir()
-        os.replace(tmp, out)
-
-
-def _compile_commands(entries, opts):
-    return [
-        qaic.compile_command(
-            e["name"],
-            num_cores=opts.num_cores,
-            mxfp6=opts.mxfp6,
-            mos=opts.mos,
-            mdp_config=_mdp_file(opts) or opts.mdp_config,
-            hw_version=opts.hw_version,
-            sub_functions=e["sub_functions"],
-            custom_io=bool(e["retained_state"]),
-            retained=bool(e["retained_state"]),
-        )
-        for e in entries
-    ]
-
-
-def _mdp_file(opts):
-    """The partition config `--num-devices N` writes (QEfficient's name), or None."""
-    return f"mdp_ts_{opts.num_devices}.json" if opts.num_devices > 1 else None
-
-
 def retained_layout(entries):
     """The KV-cache layout the exported language graphs share: {input name: shape} of every
     retained-state input, at the decode (else prefill) graph's first specialization — what a
@@ -364,12 +329,9 @@ def _export(opts, log):
         for i, spec in enumerate(specs):
             log(f"[{i + 1}/{len(specs)}] {spec.name}")
             entries.append(write_graph(spec, checkpoint, tmp, opts, log))
-        if _mdp_file(opts):
-            config = qaic.mdp_partition_config(opts.num_devices, opts.num_cores)
-            _atomic_text(tmp / _mdp_file(opts), json.dumps(config, indent=4))
-        script = qaic.compile_script(_compile_commands(entries, opts))
-        _atomic_text(tmp / "compile.sh", script)
-        os.chmod(tmp / "compile.sh", 0o755)
+        for name, text in qaic.compiler_files(entries, opts).items():
+            _atomic_text(tmp / name, text)
+        os.chmod(tmp / qaic.COMPILE_SCRIPT, 0o755)
         manifest = {
             "format": FORMAT,
             "source": str(checkpoint.dir),
@@ -382,7 +344,7 @@ def _export(opts, log):
         }
         _atomic_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,6 +8,9 @@ so `codegen run` and `serve` load without it (a test keeps it so).
 import ctypes
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import onnx
 import onnxruntime as ort
@@ -125,3 +128,16 @@ def open_session(entry, folder, checkpoint):
         return ort.InferenceSession(path, options(), providers=["CPUExecutionProvider"])
     model = load_graph(entry, folder, checkpoint)
     return session_at(model, os.path.join(folder, f".verify.{entry['name']}.onnx"))
+
+
+def publish(tmp, out):
+    """Rename the finished temporary folder to `out`, replacing what is there."""
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        os.replace(out, old / "replaced")
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
