@@ -246,14 +246,23 @@ def test_graphs_store_no_array_that_grows_with_ctx_len(ring, default_model, tmp_
 def test_blocked_decode_reads_the_step_rows_block_by_block(default_model, tmp_path_factory):
     """With continuous batching and a kv-blocked decode, no layer gathers its step's rows out
     of a whole cache (once: a gathered copy of the written cache per layer and step, 4 GiB of
-    float32 at a 31B full layer with 4 slots of 65,536); the export still verifies."""
+    float32 at a 31B full layer with 4 slots of 65,536), and each KV block is cut from the
+    cache after the block before it has been attended to, so a runtime running nodes in the
+    listed order holds one block's tile at a time (once: every tile cut first, ~4 GB more at
+    that layer); the export still verifies."""
     out = tmp_path_factory.mktemp("cb-blocked") / "out"
     options = dict(budgets=(), sliding_ring=False, full_batch_size=2, seq_len=8, ctx_len=64)
     blocking = ("kv", {"num_kv_blocks": 4})
     opts = ExportOptions(out=out, model=default_model, decode_blocking=blocking, **options)
     export(opts, log=lambda msg: None)
-    gathers = _whole_cache_gathers(onnx.load(out / "decode.onnx", load_external_data=False))
+    model = onnx.load(out / "decode.onnx", load_external_data=False)
+    gathers = _whole_cache_gathers(model)
     assert gathers == {}, gathers
+    for f, _ in _layer_caches(model):
+        written = {n.output[0] for n in f.node if n.op_type == "ScatterND"}
+        cuts = [j for j, n in enumerate(f.node) if n.op_type == "Slice" and n.input[0] in written]
+        first_matmul = min(j for j, n in enumerate(f.node) if n.op_type == "MatMul" and j > cuts[0])
+        assert len(cuts) == 2 * 4 and first_matmul < cuts[-1], (f.name, cuts, first_matmul)
 
 
 def _layer_caches(model):

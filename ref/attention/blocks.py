@@ -119,6 +119,18 @@ def _keys(k, v, cache_rows, *, rows, heads, kv, dtype):
     return [(jnp.swapaxes(kb.astype(dtype), -1, -2), vb.astype(dtype)) for kb, vb in blocks]
 
 
+def _cut_query_block(q, k, v, cache_rows, masks, prev, *, rows, heads, dtype, **block):
+    """`_query_block` with each KV block's tile cut from k, v just before its use (`_keys` of
+    that block alone), for a head block that one query block reads (decode: one query, one n_rep
+    chunk). Cut all at once first, every tile of the head block is live together in a runtime
+    that runs ready nodes in the listed order (a 31B full layer with 4 cache slots: ~4 GB)."""
+    tiles = (
+        _keys(k, v, cache_rows, rows=rows, heads=heads, kv=(t,), dtype=dtype)[0]
+        for t in block["plan"].kv
+    )
+    return _query_block(q, tiles, masks, prev, **block)
+
+
 def _kv_sides(kv_pos, kv_group, *, rows, kv):
     """Per KV block (bounds `kv`), the key side (`_side`) of batch rows (bounds; None: all) of
     kv_pos, kv_group [B, T]; made once per call, read by every query block's masks."""
@@ -256,7 +268,8 @@ def _blocked(
     if plan.batch_fold:
         q5 = q5.reshape(1, b * hkv, g, s, d)
     trace = _trace_of(q, k, v, q_pos, kv_pos, q_group, kv_group)
-    block = _jit(_query_block, trace, plan=plan, scale=scale, softcap=softcap)
+    block_static = dict(plan=plan, scale=scale, softcap=softcap)
+    block = _jit(_query_block, trace, **block_static)
 
     @functools.cache
     def kv_sides(r):
@@ -275,15 +288,20 @@ def _blocked(
     for rows in plan.batch:
         out_h = []
         for kv0, kv1, reps in _executed_heads(plan, heads_together):
-            keys = _jit(_keys, trace, rows=rows, heads=(kv0, kv1), kv=plan.kv, dtype=q.dtype)
-            tiles = keys(k, v, cache_rows)
+            where = dict(rows=rows, heads=(kv0, kv1), dtype=q.dtype)
+            if len(reps) * len(plan.q) == 1:  # tiles read once: cut as they are read
+                cut = _jit(_cut_query_block, trace, **where, **block_static)
+                read = functools.partial(cut, k=k, v=v, cache_rows=cache_rows)
+            else:  # made once, read by every query block and n_rep chunk
+                tiles = _jit(_keys, trace, **where, kv=plan.kv)(k, v, cache_rows)
+                read = functools.partial(block, tiles=tiles)
             out_r = []
             for r0, r1 in reps:
                 out_q = []
                 for queries in plan.q:
                     qb = q5[rows[0] : rows[1], kv0:kv1, r0:r1, queries[0] : queries[1]]
                     heads = (kv0, kv1) if plan.batch_fold else None
-                    out, prev = block(qb, tiles, masks(rows, heads, queries), prev)
+                    out, prev = read(qb, masks=masks(rows, heads, queries), prev=prev)
                     out_q.append(out)
                 out_r.append(_cat(out_q, 3))
             out_h.append(_cat(out_r, 2))
