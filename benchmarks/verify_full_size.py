@@ -15,12 +15,13 @@ reading the table's worst relative error per graph and where it was (layer or gl
 default run is E2B at seq_len 128 / ctx_len 8192 with the sliding ring (about 15 minutes);
 `--production` uses QEfficient's production shapes (prefill seq_len 1024 in qkv with 8 query
 chunks × 16 KV blocks, decode kv_headpar 8 blocks with skip_kv, ctx_len 65536, sliding ring);
-`--models E2B,31B`.
+`--models E2B,31B`; `--full-batch-size N` exports continuous batching (N cache slots);
+`--graphs decode,prefill` verifies only those graphs (`verify --graph`).
 
 Goal (issue 23): peak RSS <= 8 GB for each.
 
     python benchmarks/verify_full_size.py [--models E2B] [--random all|N] [--production]
-        [--keep DIR]
+        [--full-batch-size N] [--graphs NAMES] [--keep DIR]
 """
 
 import argparse
@@ -130,11 +131,16 @@ def bench(name, root, args):
     shapes = PRODUCTION if args.production else SMALL
     export = [sys.executable, "-m", "codegen", "export", "--model", str(model), "--out", str(out)]
     export += ["--budgets", "280,1120", "--no-verify", "--no-hash", *shapes]
+    if args.full_batch_size:
+        export += ["--full-batch-size", str(args.full_batch_size)]
     rc, export_s, export_rss = child(export, root / f"{name}-export.log")
     if rc:
         return {"model": name, "error": (root / f"{name}-export.log").read_text()[-2000:]}
     log = root / f"{name}-verify.log"
-    rc, wall, rss = child([sys.executable, "-m", "codegen", "verify", str(out)], log)
+    verify = [sys.executable, "-m", "codegen", "verify", str(out)]
+    for graph in filter(None, args.graphs.split(",")):
+        verify += ["--graph", graph]
+    rc, wall, rss = child(verify, log)
     text = log.read_text(errors="replace")
     return {
         "model": name,
@@ -171,6 +177,8 @@ def main():
         "--random", default="all", help="'all' or N: random values in the first N layers"
     )
     p.add_argument("--production", action="store_true", help="QEfficient's production shapes")
+    p.add_argument("--full-batch-size", type=int, help="continuous batching: N cache slots")
+    p.add_argument("--graphs", default="", help="verify only these graphs (comma-separated)")
     p.add_argument("--keep", type=Path, help="keep checkpoints and exports here (reused)")
     args = p.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="verify_full_size."))
