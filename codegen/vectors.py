@@ -26,7 +26,7 @@ from codegen.vector_options import (
     OPTIONS,
     resolve,
 )
-from weights.safetensors import atomic_write, write_safetensors
+from weights.writer import atomic_write, write_safetensors
 
 # Precision name → (tensor suffix, numpy dtype, machine epsilon).
 PRECISIONS = {
