@@ -1,9 +1,11 @@
 """`run OUT`: greedy generation over an export folder's graphs in onnxruntime, driven the way
 the QAIC runtime drives the compiled programs (QEfficient's `kv_offload_generate`):
 
-1. `vision` once per prompt row that holds images, at the prefill's vision budget;
+1. `vision` on each prompt row's images and video frames, packed into as few calls as the
+   largest exported budget allows;
 2. `prefill` chunk by chunk at the compiled `seq_len` (the last chunk padded with position −1),
-   `image_idx_output` fed back as `image_idx`, every `*_RetainedState` fed back as the cache;
+   each chunk given the soft tokens of its own image runs as `vision_embeds` at the least
+   budget that holds them (`image_idx` 0), every `*_RetainedState` fed back as the cache;
 3. `decode` one token at a time, every `*_RetainedState` fed back.
 
 Nothing but the folder is needed: manifest.json, the graphs, config.json and the hard-linked
@@ -110,7 +112,9 @@ class Runner:
             it = iter(images)
             requests = [
                 Request(
-                    r, [next(it) for _ in image_runs(r, self.text.image_token_id)], max_new_tokens
+                    r,
+                    [next(it) for _ in image_runs(r, *self.text.vision_token_ids)],
+                    max_new_tokens,
                 )
                 for r in rows
             ]
@@ -174,10 +178,13 @@ class Runner:
 
     def _prefill(self, rows, images, caches, slots, log):
         """Chunked prefill of rows (≤ batch_size) into their cache rows, or into `slots` with
-        continuous batching → (caches, each row's first generated token)."""
-        runs = [image_runs(r, self.text.image_token_id) for r in rows]
-        vision_embeds = self._vision(rows, runs, images, log)
-        schedule = [chunk_bounds(len(row), runs[i], self.seq_len) for i, row in enumerate(rows)]
+        continuous batching → (caches, each row's first generated token).
+
+        Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
+        prompt may hold more soft tokens (a video's frames) than any exported vision budget:
+        only a chunk's must fit one."""
+        runs = [image_runs(r, *self.text.vision_token_ids) for r in rows]
+        streams = self._vision(rows, runs, images, log)
         for i, row_runs in enumerate(runs):
             for start, n in row_runs:
                 if n > self.seq_len:
@@ -186,29 +193,43 @@ class Runner:
                         f"holds seq_len={self.seq_len}: export with --seq-len {n} or more "
                         "(a chunk must not split an image run)"
                     )
-        image_idx = np.zeros((self.batch, 1), np.int32)
+        most = self.budgets[-1] if streams is not None else None
+        schedule = [chunk_bounds(len(r), runs[i], self.seq_len, most) for i, r in enumerate(rows)]
+        offsets = np.zeros(len(rows), int)
         last = [None] * len(rows)
         chunks = max(len(s) for s in schedule)
         for k in range(chunks):
             ids = np.zeros((self.batch, self.seq_len), np.int32)
             pos = np.full((self.batch, self.seq_len), -1, np.int32)
+            counts = np.zeros(len(rows), int)
             for i, bounds in enumerate(schedule):
                 if k < len(bounds):
                     s, e = bounds[k]
                     ids[i, : e - s], pos[i, : e - s] = rows[i][s:e], np.arange(s, e)
+                    counts[i] = np.isin(rows[i][s:e], self.text.vision_token_ids).sum()
             feed = {"input_ids": ids, "position_ids": pos, **caches}
-            if vision_embeds is not None:
-                feed.update(vision_embeds=vision_embeds, image_idx=image_idx)
+            if streams is not None:
+                feed.update(self._window(streams, offsets, counts))
+                offsets += counts
             if slots is not None:
                 feed["batch_index"] = _slot_column(slots, self.batch)
             out = self._run("prefill", feed)
             caches = self._retained(out, caches)
-            image_idx = out.get("image_idx_output", image_idx)
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
             log(f"prefill chunk {k + 1}/{chunks}")
         return caches, np.argmax(np.stack(last), axis=-1).astype(np.int32)
+
+    def _window(self, streams, offsets, counts):
+        """One chunk's vision inputs: each row's next `counts` soft tokens of its stream from
+        `offsets`, zero-padded to the least budget that holds the most → {vision_embeds
+        [batch, budget, hidden], image_idx [batch, 1] zeros}."""
+        budget = next(b for b in self.budgets if b >= counts.max())
+        out = np.zeros((self.batch, budget, self.text.hidden_size), np.float32)
+        for i, stream in enumerate(streams):
+            out[i, : counts[i]] = stream[offsets[i] : offsets[i] + counts[i]]
+        return {"vision_embeds": out, "image_idx": np.zeros((self.batch, 1), np.int32)}
 
     def _decode(self, caches, token, position, slots):
         """One decode step of every row (position −1: a free row) → (caches, next tokens)."""
@@ -247,7 +268,8 @@ class Runner:
                 )
 
     def _vision(self, rows, runs, images, log):
-        """[batch, vision_size, hidden] soft tokens per row (None without vision inputs)."""
+        """Each row's soft tokens in order of appearance, [tokens, hidden] per row (None when
+        the prefill graph takes no vision inputs)."""
         want = sum(len(r) for r in runs)
         if len(images) != want:
             raise RunError(f"{len(images)} images given, the prompts hold {want} image runs")
@@ -256,22 +278,37 @@ class Runner:
             if want:
                 raise RunError("the prompts hold image runs but the prefill graph takes no images")
             return None
-        totals = [sum(n for _, n in r) for r in runs]
-        fits = [b for b in self.budgets if b >= max(totals)]
-        if not fits:
-            raise RunError(
-                f"a row holds {max(totals)} image tokens; the largest vision budget exported is "
-                f"{self.budgets[-1]}"
-            )
-        budget = fits[0]
-        out = np.zeros((self.batch, budget, self.text.hidden_size), np.float32)
         it = iter(images)
+        streams = []
         for i, row_runs in enumerate(runs):
-            row_images = [next(it) for _ in row_runs]
-            if row_images:
-                out[i, : totals[i]] = self._encode(i, row_runs, row_images, budget)[: totals[i]]
-                log(f"vision row {i}: {len(row_images)} image(s), {totals[i]} soft tokens")
-        return out
+            items = [next(it) for _ in row_runs]
+            streams.append(self._encode_row(i, row_runs, items))
+            if items:
+                log(f"vision row {i}: {len(items)} item(s), {len(streams[-1])} soft tokens")
+        return streams
+
+    def _encode_row(self, row, row_runs, items):
+        """One row's items through the vision graph, consecutive items packed together while
+        they fit the largest budget, each call at the least budget that holds it → [tokens,
+        hidden]."""
+        most = self.budgets[-1]
+        groups = []
+        for run, item in zip(row_runs, items, strict=True):
+            if run[1] > most:
+                raise RunError(
+                    f"row {row}: the image run at {run[0]} has {run[1]} tokens; the largest "
+                    f"vision budget exported is {most}"
+                )
+            if not groups or sum(n for _, n in groups[-1][0]) + run[1] > most:
+                groups.append(([], []))
+            groups[-1][0].append(run)
+            groups[-1][1].append(item)
+        parts = [np.zeros((0, self.text.hidden_size), np.float32)]
+        for group_runs, group_items in groups:
+            total = sum(n for _, n in group_runs)
+            budget = next(b for b in self.budgets if b >= total)
+            parts.append(self._encode(row, group_runs, group_items, budget)[:total])
+        return np.concatenate(parts)
 
     def _encode(self, row, row_runs, row_images, budget):
         """The vision graph on one row's images packed into `budget` soft tokens."""

@@ -142,9 +142,10 @@ def _fixed_request(model, seed=3):
 
 
 def test_guards_fail_on_the_defects_they_guard(tmp_path_factory, monkeypatch):
-    """Feeding back every retained state and image_idx is what makes the tokens right: a
-    decode that drops one layer's retained state, or a prefill that restarts image_idx at 0
-    each chunk (QEfficient's old defect), gives other tokens."""
+    """Feeding back every retained state and giving each chunk its own soft tokens is what
+    makes the tokens right: a decode that drops one layer's retained state, or a prefill whose
+    every chunk reads the soft tokens from the row's first (as QEfficient's old defect
+    restarted image_idx at 0 over the whole vision_embeds), gives other tokens."""
     model, runner = exported("dense", 1, "none", "none", False, tmp_path_factory)
     prompts, images, want = _fixed_request(model)
     assert runner.generate(prompts, images, max_new_tokens=NEW_TOKENS).tolist() == want.tolist()
@@ -162,14 +163,12 @@ def test_guards_fail_on_the_defects_they_guard(tmp_path_factory, monkeypatch):
     assert dropped.tolist() != want.tolist()
     monkeypatch.setattr(Runner, "_retained", staticmethod(keep))
 
-    run = Runner._run
+    window = Runner._window
 
-    def restart_image_idx(self, kind, feed):
-        if "image_idx" in feed:
-            feed = dict(feed, image_idx=np.zeros_like(feed["image_idx"]))
-        return run(self, kind, feed)
+    def from_the_start(self, streams, offsets, counts):
+        return window(self, streams, np.zeros_like(offsets), counts)
 
-    monkeypatch.setattr(Runner, "_run", restart_image_idx)
+    monkeypatch.setattr(Runner, "_window", from_the_start)
     restarted = runner.generate(prompts, images, max_new_tokens=NEW_TOKENS)
     assert restarted.tolist() != want.tolist()
 

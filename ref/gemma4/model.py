@@ -15,9 +15,10 @@ import numpy as np
 from ref import sharding, validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
-from ref.gemma4.images import num_soft_tokens
+from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt, prompt_tokens
+from ref.gemma4.multimodal import prompt_inputs
+from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
 from ref.gemma4.step import apply_step, check_step_values, step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
@@ -41,17 +42,19 @@ def attention_for(mode, *, prefill, batch, queries, ctx_len):
     return reference if config is None else partial(blocked, config=config)
 
 
-def image_runs(ids, image_token_id):
-    """(start, length) of each contiguous run of image tokens in a row. ids: [L]."""
-    is_image = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+def image_runs(ids, *token_ids):
+    """(start, length) of each contiguous run of vision tokens — any of `token_ids`: the image
+    token, the video token (one run per frame) — in a row. ids: [L]."""
+    is_image = np.concatenate([[False], np.isin(np.asarray(ids), token_ids), [False]])
     edges = np.flatnonzero(is_image[1:] != is_image[:-1])
     return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
-def chunk_bounds(length, runs, chunk_size):
+def chunk_bounds(length, runs, chunk_size, max_vision=None):
     """Half-open chunks covering [0, length): at most chunk_size tokens, never splitting an
     image run — a run that does not fit ends the chunk before it, and a run longer than
-    chunk_size gets a chunk of its own.
+    chunk_size gets a chunk of its own — and, with max_vision, at most max_vision tokens of
+    runs per chunk (a run past it starts the next chunk; one run alone is never cut).
 
     An image run attends to itself bidirectionally, so its first tokens need its last ones:
     prefilled across two chunks, the first part would be computed without the second.
@@ -68,9 +71,23 @@ def chunk_bounds(length, runs, chunk_size):
         if end < length and r >= 0 and run_of[end - 1] == r:
             a, n = runs[r]
             end = a if a > start else a + n
+        if max_vision is not None:
+            end = _vision_cut(runs, start, end, max_vision)
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def _vision_cut(runs, start, end, max_vision):
+    """The end of chunk [start, end) cut before the first run that takes its run tokens past
+    max_vision (not before a run at `start`)."""
+    total = 0
+    for a, n in runs:
+        if start <= a < end:
+            if total + n > max_vision and a > start:
+                return a
+            total += n
+    return end
 
 
 @partial(jax.jit, static_argnames=("config", "attention", "last_only", "mesh"))
@@ -122,8 +139,8 @@ class Gemma4:
         positions, vision_embeds, image_idx, *, config, attention)` → the step's dict (as
         `ref.gemma4.step.apply_step` with last_only), e.g. a model of a device's numerics, and
         its vision tower replaced by `vision` when given (anything with `embed(patches,
-        grids)`, what `generate` calls; `generate_from` also calls `preprocess`). Parameters
-        are shared, not copied; this model is unchanged."""
+        grids)`, what `generate` calls; `generate_from` also reads its `config`'s patch and
+        pooling sizes). Parameters are shared, not copied; this model is unchanged."""
         other = copy.copy(self)
         other.step_fn = step_fn
         other.vision = self.vision if vision is None else vision
@@ -170,28 +187,44 @@ class Gemma4:
             images = self.vision.embed(patches, grids)
         return self.generate_embedded(input_ids, images, **options)
 
-    def generate_from(self, prompt, images=(), *, max_soft_tokens=280, tokenize=None, **options):
-        """Greedy generation for one prompt with images as pixels → [max_new_tokens] int ids.
+    def generate_from(
+        self,
+        prompt,
+        images=(),
+        *,
+        videos=(),
+        max_soft_tokens=280,
+        video_soft_tokens=VIDEO_SOFT_TOKENS,
+        num_frames=VIDEO_FRAMES,
+        tokenize=None,
+        **options,
+    ):
+        """Greedy generation for one prompt with images and videos as pixels → [max_new_tokens]
+        int ids.
 
-        prompt: text with one `self.tokens.image_token` placeholder per image (tokenize(str)
-        → ids needed; the text is expanded first, then tokenized, as Gemma4Processor does), or
-        token ids with one `image_token_id` per image; images: [H, W, 3|4] or [H, W] uint8
-        arrays in order, resized into `max_soft_tokens` each as Gemma 4's image processor
-        does; options: those of `generate_embedded`.
+        prompt: text with one `self.tokens.image_token` per image and one `video_token` per
+        video (tokenize(str) → ids needed; the text is expanded first, then tokenized, as
+        Gemma4Processor does), or token ids with one image/video token id per item; images:
+        [H, W, 3|4] or [H, W] uint8, resized into `max_soft_tokens` each as Gemma 4's image
+        processor does; videos: [T, H, W, 3] uint8 frames or (frames, fps) pairs, `num_frames`
+        kept of each, resized into `video_soft_tokens` as its video processor does (see
+        `ref.gemma4.multimodal.prompt_inputs`); options: those of `generate_embedded`.
         """
-        patches, grids = [], []
-        if len(images):
-            if self.vision is None:
-                raise ValueError("images given but the model has no vision tower")
-            patches, grids = self.vision.preprocess(images, max_soft_tokens)
-        k = 1 if self.vision is None else self.vision.config.pooling_kernel_size
-        counts = num_soft_tokens(grids, k)
-        if isinstance(prompt, str):
-            if tokenize is None:
-                raise ValueError("a text prompt needs tokenize(str) → token ids")
-            ids = np.asarray(tokenize(expand_prompt(prompt, counts, tokens=self.tokens)))
-        else:
-            ids = expand_prompt(prompt, counts, tokens=self.tokens)
+        if (len(images) or len(videos)) and self.vision is None:
+            raise ValueError("images or videos given but the model has no vision tower")
+        c = self.vision.config if self.vision is not None else None
+        ids, patches, grids = prompt_inputs(
+            prompt,
+            images,
+            videos,
+            patch_size=c.patch_size if c else 1,
+            pooling_kernel_size=c.pooling_kernel_size if c else 1,
+            tokens=self.tokens,
+            tokenize=tokenize,
+            max_soft_tokens=max_soft_tokens,
+            video_soft_tokens=video_soft_tokens,
+            num_frames=num_frames,
+        )
         return self.generate(ids[None], patches, grids, **options)[0]
 
     def generate_embedded(
@@ -229,7 +262,7 @@ class Gemma4:
             "input_ids", ids, self.config.vocab_size, valid=np.arange(width) < lengths[:, None]
         )
         rows = [ids[i, : lengths[i]] for i in range(b)]
-        runs = [image_runs(r, self.config.image_token_id) for r in rows]
+        runs = [image_runs(r, *self.config.vision_token_ids) for r in rows]
         vision_embeds = self._vision_rows(runs, images)
         ctx_len = int(lengths.max()) + max_new_tokens
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]

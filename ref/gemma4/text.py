@@ -249,10 +249,10 @@ class TextModel(nn.Module):
         self, input_ids, positions, cache, vision_embeds, image_idx, attention, slots=None
     ):
         c = self.config
-        if c.image_token_id is None:
-            placeholder = jnp.zeros(input_ids.shape, bool)
-        else:
-            placeholder = input_ids == c.image_token_id
+        # image and video tokens alike: both take soft tokens from vision_embeds, in order
+        placeholder = jnp.zeros(input_ids.shape, bool)
+        for token in c.vision_token_ids:
+            placeholder = placeholder | (input_ids == token)
         # as transformers: placeholders embed (and per-layer-embed) as the pad token
         ids = jnp.where(placeholder, c.pad_token_id, input_ids)
         x = Embedding(c.vocab_size, c.hidden_size, c.hidden_size**0.5, name="embed_tokens")(ids)

@@ -55,6 +55,13 @@ class TextConfig:
     moe_intermediate_size: int = 0
     pad_token_id: int = 0
     image_token_id: int | None = None
+    video_token_id: int | None = None
+
+    @property
+    def vision_token_ids(self):
+        """The placeholder ids that vision soft tokens replace: the image token and the video
+        token (each video frame is a run of video tokens), those the config names."""
+        return tuple(t for t in (self.image_token_id, self.video_token_id) if t is not None)
 
     @property
     def num_hidden_layers(self):
@@ -74,7 +81,8 @@ class TextConfig:
 
     @classmethod
     def from_hf(cls, config):
-        """From a Gemma4TextConfig dict, or a full Gemma4Config dict (adds the image token)."""
+        """From a Gemma4TextConfig dict, or a full Gemma4Config dict (adds the image and video
+        tokens)."""
         if not isinstance(config, dict):
             raise ValueError(f"expected a Gemma 4 config dict, got {type(config).__name__}")
         text = config.get("text_config", config)
@@ -83,8 +91,11 @@ class TextConfig:
                 f"config with keys {sorted(config)[:8]} has no Gemma 4 text part "
                 "(expected text_config.hidden_size or hidden_size)"
             )
-        image_token = config.get("image_token_id") if text is not config else None
-        return cls(**_resolve(text), image_token_id=image_token)
+        full = text is not config
+        image, video = (
+            config.get(f) if full else None for f in ("image_token_id", "video_token_id")
+        )
+        return cls(**_resolve(text), image_token_id=image, video_token_id=video)
 
 
 def _resolve(text):
