@@ -5,6 +5,7 @@ import argparse
 
 from ref.blocking import DENSE_NAMES
 from ref.blocking import names as blocking_names
+from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 
 
 def budgets(text):
@@ -79,3 +80,38 @@ def graph_kinds(text):
     if not kinds or set(kinds) - {"model", "attention"}:
         raise argparse.ArgumentTypeError(f"{text!r}: expected model, attention or model,attention")
     return kinds
+
+
+def add_video_arguments(parser):
+    """run's video options: --video (repeatable), --video-fps, --video-frames,
+    --video-soft-tokens."""
+    parser.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="DIR|FILE",
+        help="a video: a folder of frame images (in name order) or an animated GIF/WebP/PNG, "
+        "one <|video|> placeholder each in --prompt (repeatable, in order); only the kept "
+        "frames are read",
+    )
+    parser.add_argument(
+        "--video-fps",
+        type=float,
+        action="append",
+        default=[],
+        metavar="FPS",
+        help="each --video's frame rate, in order (default: an animation's own; a folder's "
+        "is unknown and its timestamps use 24, as Gemma4Processor does)",
+    )
+    parser.add_argument(
+        "--video-frames",
+        type=int,
+        default=VIDEO_FRAMES,
+        help=f"frames kept per video ({VIDEO_FRAMES}, Gemma 4's video processor's)",
+    )
+    parser.add_argument(
+        "--video-soft-tokens",
+        type=int,
+        default=VIDEO_SOFT_TOKENS,
+        help=f"soft tokens per frame ({VIDEO_SOFT_TOKENS}); an exported budget must hold them",
+    )

@@ -207,8 +207,9 @@ def parser():
     r.add_argument(
         "--prompt",
         metavar="TEXT",
-        help="the prompt as text, one image placeholder (<|image|>) per --image; needs the "
-        "checkpoint's tokenizer.json (copied into the export folder)",
+        help="the prompt as text, one image placeholder (<|image|>) per --image and one "
+        "<|video|> per --video; needs the checkpoint's tokenizer.json (copied into the export "
+        "folder)",
     )
     r.add_argument(
         "--image",
@@ -219,6 +220,7 @@ def parser():
         help="an image file (PNG, JPEG, ...), resized as Gemma 4's image processor does "
         "(repeatable, in the order of the prompt's placeholders)",
     )
+    arguments.add_video_arguments(r)
     r.add_argument(
         "--max-soft-tokens",
         type=int,
@@ -274,7 +276,8 @@ def parser():
         type=Path,
         required=True,
         metavar="FILE.jsonl",
-        help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images}, "
+        help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images, "
+        "videos, video_fps}, "
         "max_new_tokens (16), arrival (the step it joins at, 0)",
     )
     sv.add_argument(

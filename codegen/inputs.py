@@ -1,5 +1,6 @@
-"""What `python -m codegen run` and `serve` read from the command line — image files, the
-export's tokenizer.json, prompts, patch files, a JSONL file of requests — turned into what
+"""What `python -m codegen run` and `serve` read from the command line — image files, videos
+(a folder of frames, or an animated GIF/WebP/PNG, read by Pillow), the export's
+tokenizer.json, prompts, patch files, a JSONL file of requests — turned into what
 `codegen.runtime.Runner` takes; and the two commands' output."""
 
 import argparse
@@ -11,8 +12,11 @@ import numpy as np
 
 from codegen.runtime import Request, RunError, Runner
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.images import num_soft_tokens, preprocess
-from ref.gemma4.prompts import expand_prompt, prompt_tokens
+from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS, sample_frames
+from ref.gemma4.multimodal import SampledVideo, prompt_inputs
+from ref.gemma4.prompts import prompt_tokens
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
 def read_image(path):
@@ -53,36 +57,86 @@ def default_soft_tokens(runner):
     return max(fits) if fits else min(runner.budgets, default=70)
 
 
+def _rgb(frame):
+    """A Pillow frame as [H, W, 3] uint8 (alpha composited on white as the image path does
+    not: Gemma 4's video processor converts frames to RGB)."""
+    return np.asarray(frame.convert("RGB"))
+
+
+def read_video(path, num_frames=VIDEO_FRAMES, fps=None):
+    """A video as a SampledVideo: only the `num_frames` kept frames are read, from a folder
+    of frame images (name order) or an animated image file (Pillow's frames; its frame
+    duration gives the fps unless `fps` is given)."""
+    from PIL import Image, ImageSequence, UnidentifiedImageError
+
+    def sampled(total, rate):
+        try:
+            return sample_frames(total, num_frames, None, rate)
+        except ValueError as e:
+            raise RunError(f"--video {path}: {e} (pass --video-frames)") from e
+
+    try:
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path) if n.lower().endswith(FRAME_SUFFIXES))
+            if not names:
+                raise RunError(f"--video {path}: no frame images ({', '.join(FRAME_SUFFIXES)})")
+            index = sampled(len(names), fps)
+            frames = []
+            for i in index:
+                with Image.open(os.path.join(path, names[i])) as img:
+                    frames.append(_rgb(img))
+        else:
+            with Image.open(path) as img:
+                duration = img.info.get("duration")
+                rate = fps if fps is not None else (1000 / duration if duration else None)
+                index = sampled(getattr(img, "n_frames", 1), rate)
+                keep = set(index.tolist())
+                frames = [_rgb(f) for i, f in enumerate(ImageSequence.Iterator(img)) if i in keep]
+                fps = rate
+    except (OSError, UnidentifiedImageError) as e:
+        raise RunError(f"--video {path}: {e}") from e
+    if len({f.shape for f in frames}) != 1:
+        shapes = sorted({f.shape[:2] for f in frames})
+        raise RunError(f"--video {path}: frames of sizes {shapes}: expected one size")
+    return SampledVideo(np.stack(frames), index, fps)
+
+
 def _photo_prompt(args, runner):
-    """(prompt ids, images) from --image files and --prompt text or placeholder --prompt-ids."""
-    tokens = prompt_tokens(runner.checkpoint.config)
-    pixels = [read_image(p) for p in args.image]
-    patches, grids, counts = [], [], []
-    if pixels:
-        cfg = VisionConfig.from_hf(runner.checkpoint.config)
-        k = cfg.pooling_kernel_size
-        budget = args.max_soft_tokens or default_soft_tokens(runner)
-        patches, grids = preprocess(
-            pixels, budget, patch_size=cfg.patch_size, pooling_kernel_size=k
+    """(prompt ids, items) from --image and --video files with --prompt text or placeholder
+    --prompt-ids (`ref.gemma4.multimodal.prompt_inputs`)."""
+    fps = list(args.video_fps)
+    if fps and len(fps) != len(args.video):
+        raise RunError(f"{len(fps)} --video-fps for {len(args.video)} --video: one each")
+    fps += [None] * (len(args.video) - len(fps))
+    videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
+    tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
+    cfg = VisionConfig.from_hf(runner.checkpoint.config)
+    try:
+        ids, patches, grids = prompt_inputs(
+            args.prompt if args.prompt is not None else args.prompt_ids[0],
+            [read_image(p) for p in args.image],
+            videos,
+            patch_size=cfg.patch_size,
+            pooling_kernel_size=cfg.pooling_kernel_size,
+            tokens=prompt_tokens(runner.checkpoint.config),
+            tokenize=None if tokenizer is None else (lambda s: tokenizer.encode(s).ids),
+            max_soft_tokens=args.max_soft_tokens or default_soft_tokens(runner),
+            video_soft_tokens=args.video_soft_tokens,
         )
-        counts = num_soft_tokens(grids, k)
-    if args.prompt is not None:
-        tokenizer = read_tokenizer(runner.folder)
-        text = expand_prompt(args.prompt, counts, tokens=tokens)
-        rows = [np.asarray(tokenizer.encode(text).ids)]
-    else:
-        rows = [expand_prompt(args.prompt_ids[0], counts, tokens=tokens)]
-    return rows, list(zip(patches, grids, strict=True)), tokenizer if args.prompt else None
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    items = list(zip(patches, grids, strict=True))
+    return [ids], items, tokenizer if args.prompt is not None else None
 
 
 def _inputs(args, runner):
     """(prompt rows, images, tokenizer or None) from run's options: --image with --prompt or
     placeholder --prompt-ids, or expanded --prompt-ids with --patches/--grid pairs."""
-    if args.image or args.prompt is not None:
+    if args.image or args.video or args.prompt is not None:
         if args.patches or len(args.prompt_ids or []) > 1:
-            raise RunError("--image/--prompt take one prompt row, without --patches")
+            raise RunError("--image/--video/--prompt take one prompt row, without --patches")
         if args.prompt is None and not args.prompt_ids:
-            raise RunError("--image needs --prompt TEXT or --prompt-ids with image placeholders")
+            raise RunError("--image/--video need --prompt TEXT or --prompt-ids with placeholders")
         return _photo_prompt(args, runner)
     if not args.prompt_ids:
         raise RunError("give --prompt-ids (or --prompt, or --image with a prompt)")
@@ -128,8 +182,9 @@ def row_text(tokenizer, row):
 def read_requests(path, runner):
     """Requests from a JSONL file, one object a line: `prompt_ids` (image runs expanded, with
     `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
-    with `images` [image files]; `max_new_tokens` (16) and `arrival` (step, 0). Paths are
-    relative to the file's folder."""
+    with `images` [image files] and `videos` [frame folders or animations] (with
+    `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70));
+    `max_new_tokens` (16) and `arrival` (step, 0). Paths are relative to the file's folder."""
     base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path) as f:
@@ -146,6 +201,10 @@ def read_requests(path, runner):
             patches=[where(p) for p in item.get("patches", [])],
             grid=[tuple(g) for g in item.get("grids", [])],
             max_soft_tokens=item.get("max_soft_tokens"),
+            video=[where(p) for p in item.get("videos", [])],
+            video_fps=item.get("video_fps", []),
+            video_frames=item.get("video_frames", VIDEO_FRAMES),
+            video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
         )
         rows, images, _ = _inputs(args, runner)
         n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)

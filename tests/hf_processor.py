@@ -40,12 +40,13 @@ def word_tokenizer():
 
 def hf_processor(tokenizer, budget, patch_size, video=None):
     """Gemma4Processor with a real PIL image processor; `video` may be None (torchvision does
-    not import beside this torch): only that argument's class check is skipped then."""
+    not import beside this torch) or a stand-in (tests/hf_video.py): only that argument's
+    class check is skipped."""
     image = Gemma4ImageProcessorPil(patch_size=patch_size, max_soft_tokens=budget)
     check = ProcessorMixin.check_argument_for_proper_class
 
     def lenient(self, name, arg):
-        return None if name == "video_processor" and arg is None else check(self, name, arg)
+        return None if name == "video_processor" else check(self, name, arg)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ProcessorMixin, "check_argument_for_proper_class", lenient)

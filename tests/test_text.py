@@ -298,16 +298,26 @@ def test_image_index_runs_per_row_across_text_only_chunks(data, seed):
 
 
 @settings(max_examples=examples(40))
-@given(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2**31 - 1))
-def test_chunk_bounds_cover_and_keep_runs_whole(length, chunk, seed):
+@given(
+    st.integers(1, 40),
+    st.integers(1, 12),
+    st.one_of(st.none(), st.integers(1, 8)),
+    st.integers(0, 2**31 - 1),
+)
+def test_chunk_bounds_cover_and_keep_runs_whole(length, chunk, max_vision, seed):
+    """Chunks cover the row, hold at most `chunk` tokens and `max_vision` run tokens (one run
+    alone may pass either) and never split a run."""
     ids = np.where(np.random.default_rng(seed).random(length) < 0.4, IMAGE, 9)
-    runs = image_runs(ids, IMAGE)
-    bounds = chunk_bounds(length, runs, chunk)
+    ids[ids == IMAGE] = np.where(np.arange(length) % 7 == 0, 7, IMAGE)[ids == IMAGE]  # video
+    runs = image_runs(ids, IMAGE, 7)
+    bounds = chunk_bounds(length, runs, chunk, max_vision)
     assert bounds[0][0] == 0 and bounds[-1][1] == length
     assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
     for s, e in bounds:
         inside = [(a, n) for a, n in runs if s <= a < e]
         assert e - s <= chunk or inside == [(s, e - s)]
+        vision = int(np.isin(ids[s:e], (IMAGE, 7)).sum())
+        assert max_vision is None or vision <= max_vision or len(inside) == 1
     for a, n in runs:
         assert any(s <= a and a + n <= e for s, e in bounds), f"run {(a, n)} split by {bounds}"
 

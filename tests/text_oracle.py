@@ -61,15 +61,18 @@ def text_config(*, moe, layer_types, shared=0, k_eq_v=False, ple=16, softcap=30.
     )
 
 
-def hf_model(text, seed, **vision):
+def hf_model(text, seed, video_token_id=None, **vision):
     """A randomized float32 eager Gemma4ForConditionalGeneration with a tiny vision tower
-    (VISION, updated by `vision`)."""
+    (VISION, updated by `vision`); video_token_id: None keeps Gemma4Config's (past any tiny
+    vocabulary)."""
+    videos = {} if video_token_id is None else {"video_token_id": video_token_id}
     config = Gemma4Config(
         text_config=text,
         vision_config={**VISION, **vision},
         image_token_id=IMAGE,
         boi_token_id=BOI,
         eoi_token_id=EOI,
+        **videos,
     )
     config._attn_implementation = "eager"
     config.text_config._attn_implementation = "eager"

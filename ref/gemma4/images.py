@@ -277,6 +277,28 @@ def preprocess_video(
     frames: [T, H, W, 3] uint8 → (patches: n × [h·w, 3·p·p] float32, grids: n × (h, w),
     timestamps: n seconds, index / video_fps, with fps 24 when video_fps is None).
     """
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or 0 in frames.shape:
+        raise ValueError(f"video frames have shape {frames.shape}: expected [T, H, W, 3], T ≥ 1")
+    if video_fps is not None and not video_fps > 0:
+        raise ValueError(f"video_fps={video_fps!r}: expected a positive frame rate")
+    index = sample_frames(frames.shape[0], num_frames, fps, video_fps)
+    sizes = dict(patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+    return preprocess_frames(frames[index], index, max_soft_tokens, video_fps=video_fps, **sizes)
+
+
+def preprocess_frames(
+    frames,
+    index,
+    max_soft_tokens=VIDEO_SOFT_TOKENS,
+    *,
+    video_fps=None,
+    patch_size=16,
+    pooling_kernel_size=3,
+):
+    """Gemma 4's video processor on a video's kept frames only (sampled by `sample_frames`
+    over its frame count, so a reader need not hold the others): frames [n, H, W, 3] uint8,
+    index [n] their indices in the video → as `preprocess_video`."""
     _check_budget(max_soft_tokens)
     _check_sizes(patch_size, pooling_kernel_size)
     frames = np.asarray(frames)
@@ -284,9 +306,10 @@ def preprocess_video(
         raise ValueError(f"video frames have dtype {frames.dtype}: expected uint8")
     if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
         raise ValueError(f"video frames have shape {frames.shape}: expected [T, H, W, 3], T ≥ 1")
+    if len(index) != len(frames):
+        raise ValueError(f"{len(index)} frame indices for {len(frames)} frames: expected one each")
     if video_fps is not None and not video_fps > 0:
         raise ValueError(f"video_fps={video_fps!r}: expected a positive frame rate")
-    index = sample_frames(frames.shape[0], num_frames, fps, video_fps)
     size = target_size(
         *frames.shape[1:3],
         max_soft_tokens,
@@ -295,8 +318,8 @@ def preprocess_video(
     )
     grid = (size[0] // patch_size, size[1] // patch_size)
     patches = []
-    for t in index:
-        pixels = _torch_resize_uint8(frames[t], size).astype(np.float32) / np.float32(255)
+    for frame in frames:
+        pixels = _torch_resize_uint8(frame, size).astype(np.float32) / np.float32(255)
         patches.append(patchify(pixels, patch_size))
     rate = DEFAULT_VIDEO_FPS if video_fps is None else video_fps
     return patches, [grid] * len(index), [int(t) / rate for t in index]

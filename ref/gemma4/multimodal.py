@@ -15,6 +15,8 @@ As transformers' Gemma4Processor and Gemma4Model do (checked in tests/test_video
   frame and every image is its own run between `<|image>` and `<image|>`.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ref.gemma4.images import (
@@ -22,19 +24,37 @@ from ref.gemma4.images import (
     VIDEO_SOFT_TOKENS,
     num_soft_tokens,
     preprocess,
+    preprocess_frames,
     preprocess_video,
 )
 from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt
 
 
-def video_frames(video):
-    """(frames [T, H, W, 3] uint8, fps or None) of a video given as its frames or as a pair
-    (frames, fps)."""
+@dataclass(frozen=True)
+class SampledVideo:
+    """A video of which only the kept frames were read: frames [n, H, W, 3] uint8 at `index`
+    [n] of the video's frames (`ref.gemma4.images.sample_frames` over its frame count), fps
+    its frame rate or None. What a reader of long videos hands over in bounded memory."""
+
+    frames: np.ndarray
+    index: np.ndarray
+    fps: float | None = None
+
+
+def video_patches(video, max_soft_tokens, num_frames, *, patch_size, pooling_kernel_size):
+    """(patches, grids, timestamps) of one video: [T, H, W, 3] uint8 frames, a pair (frames,
+    fps) or a SampledVideo (already sampled: num_frames is not applied again)."""
+    sizes = dict(patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+    if isinstance(video, SampledVideo):
+        return preprocess_frames(
+            video.frames, video.index, max_soft_tokens, video_fps=video.fps, **sizes
+        )
+    fps = None
     if isinstance(video, tuple):
         if len(video) != 2:
             raise ValueError(f"a video tuple has {len(video)} items: expected (frames, fps)")
-        return np.asarray(video[0]), video[1]
-    return np.asarray(video), None
+        video, fps = video
+    return preprocess_video(video, max_soft_tokens, num_frames=num_frames, video_fps=fps, **sizes)
 
 
 def prompt_inputs(
@@ -55,7 +75,7 @@ def prompt_inputs(
     prompt: text with one `tokens.image_token` per image and one `tokens.video_token` per video
     (tokenize(str) → ids needed), or token ids with one image/video token id per item
     (tokenize needed for videos: their timestamps are text); images: [H, W, 3|4] or [H, W]
-    uint8; videos: [T, H, W, 3] uint8 frames, or (frames, fps) pairs.
+    uint8; videos: [T, H, W, 3] uint8 frames, (frames, fps) pairs or `SampledVideo`s.
     → (ids [L] int64, patches: list of [h·w, 3·p·p] float32, grids: list of (h, w)), one
     patches/grid pair per vision run of ids, in order.
     """
@@ -65,11 +85,8 @@ def prompt_inputs(
         image_patches, image_grids = preprocess(images, max_soft_tokens, **sizes)
     frame_patches, frame_grids, clips = [], [], []
     for i, video in enumerate(videos):
-        frames, fps = video_frames(video)
         try:
-            p, g, times = preprocess_video(
-                frames, video_soft_tokens, num_frames=num_frames, video_fps=fps, **sizes
-            )
+            p, g, times = video_patches(video, video_soft_tokens, num_frames, **sizes)
         except ValueError as e:
             raise ValueError(f"videos[{i}]: {e}") from e
         frame_patches += p

@@ -1,0 +1,167 @@
+"""Video prompts end to end against transformers: a prompt with an image and two videos of
+different frame sizes (and frame rates, so the timestamps differ) through `Gemma4.generate_from`
+in `ref`, and through `python -m codegen run --image F --video DIR|FILE` on the exported graphs
+in onnxruntime, gives the tokens `Gemma4ForConditionalGeneration.generate` gives on what
+Gemma4Processor makes of the same pixels and text (its video processor stood in for by
+tests/hf_video.py: torchvision does not import beside this torch)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from codegen.__main__ import main
+from codegen.export import ExportOptions, export
+from codegen.inputs import read_video
+from codegen.runtime import RunError
+from ref.gemma4 import Gemma4
+from ref.gemma4.multimodal import prompt_inputs
+from tests.hf_processor import WORDS, hf_processor, word_backend, word_tokenizer
+from tests.hf_video import VideoStandIn
+from tests.text_oracle import hf_model, text_config
+from tests.util import examples
+
+NEW_TOKENS = 8
+MARGIN = 1e-4
+BUDGET, PATCH, VIDEO = 70, 2, 7  # "<|video|>" is id 7 of tests/hf_processor.py's SPECIAL
+HF_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values")
+HF_INPUTS += ("image_position_ids", "pixel_values_videos", "video_position_ids")
+HF_INPUTS += ("num_frames_per_video",)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(transformers model, export folder): a randomized tiny VLM with a video token, saved
+    with a tokenizer.json, exported whole with one budget of 70 (a video frame's)."""
+    text = text_config(moe=False, layer_types=["sliding_attention", "full_attention"], ple=8)
+    model = hf_model(text, seed=23, video_token_id=VIDEO, position_embedding_size=256)
+    folder = tmp_path_factory.mktemp("video-model")
+    model.save_pretrained(folder)
+    word_backend().save(str(folder / "tokenizer.json"))
+    out = tmp_path_factory.mktemp("video-export") / "out"
+    options = dict(budgets=(BUDGET,), seq_len=80, ctx_len=480, hash_shards=False)
+    export(ExportOptions(out=out, model=folder, **options), log=lambda msg: None)
+    return model, out
+
+
+def tokenize(text):
+    return word_backend().encode(text).ids
+
+
+@st.composite
+def prompts(draw):
+    """(text, image, videos [(frames, fps)], num_frames, seed): an image and two videos in a
+    drawn order between words, the videos' frames of different sizes."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    num_frames = draw(st.integers(1, 2))
+    sizes = draw(st.lists(st.tuples(st.integers(6, 48), st.integers(6, 48)), min_size=3,
+                          max_size=3, unique=True))  # fmt: skip
+    image = rng.integers(0, 256, (*sizes[0], 3), dtype=np.uint8)
+    videos = []
+    for size in sizes[1:]:
+        total = draw(st.integers(num_frames, num_frames + 4))
+        fps = draw(st.sampled_from([None, 10.0, 0.05]))  # 0.05: frames a minute and more apart
+        videos.append((rng.integers(0, 256, (total, *size, 3), dtype=np.uint8), fps))
+    order = draw(st.permutations(["<|image|>", "<|video|>", "<|video|>"]))
+    words = draw(st.lists(st.sampled_from(WORDS[:9]), min_size=4, max_size=4))
+    text = " ".join(w for pair in zip(words, [*order, ""], strict=True) for w in pair).strip()
+    return text, image, videos, num_frames
+
+
+def hf_tokens(model, text, image, videos, num_frames):
+    """(transformers' generated ids, expanded prompt ids, the least top-2 logit gap)."""
+    stand_in = VideoStandIn(PATCH, BUDGET, num_frames, [fps for _, fps in videos])
+    processor = hf_processor(word_tokenizer(), BUDGET, PATCH, video=stand_in)
+    out = processor(text=text, images=[image], videos=[f for f, _ in videos], return_tensors="pt")
+    inputs = {k: out[k] for k in HF_INPUTS}
+    with torch.no_grad():
+        gen = model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = np.stack([x[0].numpy() for x in gen.logits])
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    ids = inputs["input_ids"][0].numpy()
+    return gen.sequences[0, len(ids) :].numpy(), ids, float((top2[:, 1] - top2[:, 0]).min())
+
+
+_REFS = {}
+
+
+def reference_model(folder):
+    if folder not in _REFS:
+        _REFS[folder] = Gemma4.from_pretrained(folder)
+    return _REFS[folder]
+
+
+@settings(
+    max_examples=examples(3),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(prompts())
+def test_video_prompt_gives_transformers_tokens(exported, tmp_path_factory, capsys, drawn):
+    model, out = exported
+    text, image, videos, num_frames = drawn
+    want, hf_ids, gap = hf_tokens(model, text, image, videos, num_frames)
+    assume(gap > MARGIN)
+    ref = reference_model(out)
+    sizes = dict(patch_size=PATCH, pooling_kernel_size=3, tokens=ref.tokens)
+    ids, _, grids = prompt_inputs(
+        text, [image], videos, tokenize=tokenize, max_soft_tokens=BUDGET, num_frames=num_frames,
+        **sizes,
+    )  # fmt: skip
+    np.testing.assert_array_equal(ids, hf_ids)
+    assert len(grids) == 1 + 2 * num_frames
+    got = ref.generate_from(
+        text, [image], videos=videos, max_soft_tokens=BUDGET, num_frames=num_frames,
+        tokenize=tokenize, max_new_tokens=NEW_TOKENS,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    # the same through the exported graphs: `codegen run` with the image as a PNG and each
+    # video as an animated PNG whose frame duration carries its fps (lossless, unlike GIF)
+    folder = tmp_path_factory.mktemp("media")
+    Image.fromarray(image).save(folder / "photo.png")
+    args = ["run", str(out), "--image", str(folder / "photo.png"), "--prompt", text]
+    for i, (frames, fps) in enumerate(videos):
+        path = folder / f"clip{i}.png"
+        timing = {} if fps is None else {"duration": 1000 / fps}
+        first, *rest = [Image.fromarray(f) for f in frames]
+        first.save(path, save_all=True, append_images=rest, default_image=False, **timing)
+        args += ["--video", str(path)]
+    args += ["--video-frames", str(num_frames), "--max-new-tokens", str(NEW_TOKENS)]
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+
+
+def test_read_video_keeps_only_the_sampled_frames(tmp_path):
+    """A folder of frames (name order) and an animation: the kept frames, their indices, the
+    fps (an animation's from its frame duration; --video-fps overrides)."""
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (7, 5, 4, 3), dtype=np.uint8)
+    for i, f in enumerate(frames):
+        Image.fromarray(f).save(tmp_path / f"f{i:03d}.png")
+    (tmp_path / "notes.txt").write_text("not a frame")
+    video = read_video(str(tmp_path), 3)
+    np.testing.assert_array_equal(video.index, [0, 2, 4])
+    np.testing.assert_array_equal(video.frames, frames[[0, 2, 4]])
+    assert video.fps is None and read_video(str(tmp_path), 3, 5.0).fps == 5.0
+    path = tmp_path / "clip.png"
+    first, *rest = [Image.fromarray(f) for f in frames]
+    first.save(path, save_all=True, append_images=rest, default_image=False, duration=250)
+    video = read_video(str(path), 2)
+    np.testing.assert_array_equal(video.index, [0, 3])
+    np.testing.assert_array_equal(video.frames, frames[[0, 3]])
+    assert video.fps == 4.0
+    with pytest.raises(RunError, match="num_frames=8: expected 1 to the video's 7 frames"):
+        read_video(str(path), 8)
+    with pytest.raises(RunError, match="no frame images"):
+        read_video(str(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else ""), 1)
