@@ -1,7 +1,9 @@
 """transformers' Gemma4Processor built without a download: a word-level tokenizer made with the
 `tokenizers` library that holds Gemma 4's special tokens, and the PIL image processor."""
 
+import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
@@ -56,3 +58,22 @@ def hf_processor(tokenizer, budget, patch_size, video=None):
             tokenizer=tokenizer,
             video_processor=video,
         )
+
+
+def greedy_with_gap(model, inputs, new_tokens):
+    """transformers' greedy `generate` on processor outputs → (the new ids of row 0, the
+    least top-2 logit gap over its steps: below ~1e-4 float32 runs may pick either)."""
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logits = np.stack([x[0].numpy() for x in out.logits])
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    gap = float((top2[:, 1] - top2[:, 0]).min())
+    return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap

@@ -7,7 +7,6 @@ alone on the pixels and the text."""
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -16,7 +15,7 @@ from codegen.__main__ import main
 from codegen.export import ExportOptions, export
 from codegen.inputs import row_text
 from ref.gemma4 import Gemma4
-from tests.hf_processor import WORDS, hf_processor, word_backend, word_tokenizer
+from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_model, text_config
 from tests.util import examples
 
@@ -61,20 +60,7 @@ def reference_model(folder):
 def hf_tokens(model, text, image):
     processor = hf_processor(word_tokenizer(), BUDGET, PATCH)
     inputs = processor(text=text, images=[image], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    logits = np.stack([x[0].numpy() for x in out.logits])
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    gap = float((top2[:, 1] - top2[:, 0]).min())
-    return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap
+    return greedy_with_gap(model, inputs, NEW_TOKENS)
 
 
 @settings(max_examples=examples(3), suppress_health_check=[HealthCheck.function_scoped_fixture])

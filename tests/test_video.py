@@ -7,7 +7,6 @@ tests/hf_video.py: torchvision does not import beside this torch)."""
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -18,7 +17,7 @@ from codegen.inputs import read_video
 from codegen.runtime import RunError
 from ref.gemma4 import Gemma4
 from ref.gemma4.multimodal import prompt_inputs
-from tests.hf_processor import WORDS, hf_processor, word_backend, word_tokenizer
+from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.hf_video import VideoStandIn
 from tests.text_oracle import hf_model, text_config
 from tests.util import examples
@@ -77,20 +76,8 @@ def hf_tokens(model, text, image, videos, num_frames):
     processor = hf_processor(word_tokenizer(), BUDGET, PATCH, video=stand_in)
     out = processor(text=text, images=[image], videos=[f for f, _ in videos], return_tensors="pt")
     inputs = {k: out[k] for k in HF_INPUTS}
-    with torch.no_grad():
-        gen = model.generate(
-            **inputs,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    logits = np.stack([x[0].numpy() for x in gen.logits])
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    ids = inputs["input_ids"][0].numpy()
-    return gen.sequences[0, len(ids) :].numpy(), ids, float((top2[:, 1] - top2[:, 0]).min())
+    tokens, gap = greedy_with_gap(model, inputs, NEW_TOKENS)
+    return tokens, inputs["input_ids"][0].numpy(), gap
 
 
 _REFS = {}
