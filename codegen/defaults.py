@@ -75,6 +75,7 @@ DEFAULT_CONFIG = {
     "image_token_id": 4,
     "boi_token_id": 5,
     "eoi_token_id": 6,
+    "video_token_id": 7,
     "pad_token_id": 0,
     "bos_token_id": 2,
     "eos_token_id": 1,
@@ -124,14 +125,23 @@ def cache_dir():
 
 # The default tokenizer: Gemma 4's special tokens at the ids DEFAULT_CONFIG names, then words,
 # then filler up to the vocabulary size (a word-level stand-in for Gemma's 262k SentencePiece).
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|image>", "<image|>")
+SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|image|>",
+    "<|image>",
+    "<image|>",
+    "<|video|>",
+)
 WORDS = (
     "a an the this that these those it its is are was be and or but not of in on at to for "
     "with from by as what which who where when how why describe tell me show write answer "
     "image picture photo video frame color colour red green blue black white gray yellow "
     "small large big left right top bottom middle there here one two three many some all "
     "cat dog person people car tree sky sun house road water text sign light dark . , : ? !"
-).split()
+).split() + [f"{i:02d}" for i in range(60)]  # a video frame's "mm:ss" timestamp
 
 
 def default_tokenizer():
