@@ -114,12 +114,12 @@ def main(argv=None):
         blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
         opts = ExportOptions(blocking=blocking, **fields)
-        manifest = export(opts)
+        manifest, seconds = export(opts)
     except ValueError as e:  # CheckpointError, GraphError, ExportError, ...: bad input
         print(f"python -m codegen: error: {e}", file=sys.stderr)
         return 2
     print(summary(manifest))
-    print(f"wrote {opts.out} in {manifest['export_s']:.1f} s")
+    print(f"wrote {opts.out} in {seconds:.1f} s")
     if opts.verify:
         return _run_verify(opts.out, 0)
     return 0

@@ -7,16 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from codegen.graphs import (
-    GraphError,
-    GraphSpec,
-    Tensor,
-    blocking,
-    folded_rows,
-    layer_function,
-    route_layers,
-    text_config,
-)
+from codegen import graphs
 from ref.cache import fold as fold_cache
 from ref.cache import unfold
 from ref.gemma4.attention_stack import AttentionLayer, AttentionLayers
@@ -36,7 +27,7 @@ def attention_layers_available(checkpoint_config, tensor_shapes):
     cache (KV-sharing consumers have none), whose tensors the checkpoint holds with the
     config's shapes, and whose head layout equals that of the first layer of their type
     (each layer type is one ONNX function, so its layers must share shapes)."""
-    cfg = text_config(checkpoint_config)
+    cfg = graphs.text_config(checkpoint_config)
     if cfg is None:
         return 0
     first_of_type = {}
@@ -91,25 +82,25 @@ def attention_graph(
     Static shapes (block boundaries are compile-time constants); the graph's I/O carry the
     symbols batch_size, seq_len, ctx_len, bound by its one specialization.
     """
-    cfg = text_config(checkpoint_config)
+    cfg = graphs.text_config(checkpoint_config)
     if cfg is None:
-        raise GraphError("no text_config: a vision-only checkpoint has no attention graphs")
+        raise graphs.GraphError("no text_config: a vision-only checkpoint has no attention graphs")
     available = attention_layers_available(checkpoint_config, tensor_shapes)
     if not 1 <= layers <= available:
-        raise GraphError(
+        raise graphs.GraphError(
             f"attention layers {layers}: the checkpoint has 1..{available} stackable layers "
             "(leading layers owning their KV cache, one head layout per layer type)"
         )
     if seq_len > ctx_len:
-        raise GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
-    config = blocking(
+        raise graphs.GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
+    config = graphs.blocking(
         mode, options, prefill=False, batch=batch_size, queries=seq_len, kv_len=ctx_len
     )
     try:
         for kv_heads in sorted({cfg.kv_heads[i] for i in range(layers)}) if config else ():
             config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, ctx_len)
     except ValueError as e:
-        raise GraphError(f"blocking {mode!r} {options}: {e}") from e
+        raise graphs.GraphError(f"blocking {mode!r} {options}: {e}") from e
     expected = {n: s for i in range(layers) for n, s in attention_param_shapes(cfg, i).items()}
     check_shapes(tensor_shapes, expected, "checkpoint")
     names = tuple(sorted(expected))
@@ -120,27 +111,27 @@ def attention_graph(
         kv_heads, hd = _cache_shape(cfg, i)
         if not fold:
             return ("batch_size", kv_heads, "ctx_len", hd)
-        rows = folded_rows(cfg, kv_heads)
+        rows = graphs.folded_rows(cfg, kv_heads)
         symbols[rows] = batch_size * kv_heads
         return (1, rows, "ctx_len", hd)
 
     act = (
-        Tensor("hidden_states", ("batch_size", "seq_len", cfg.hidden_size), "float32"),
-        Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
+        graphs.Tensor("hidden_states", ("batch_size", "seq_len", cfg.hidden_size), "float32"),
+        graphs.Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
     )
     if cfg.bidirectional_vision:
-        act += (Tensor("group_ids", ("batch_size", "seq_len"), "int32"),)
+        act += (graphs.Tensor("group_ids", ("batch_size", "seq_len"), "int32"),)
     cache_in = tuple(
-        Tensor(f"past_{kind}.{i}", cache_shape(i), "float32")
+        graphs.Tensor(f"past_{kind}.{i}", cache_shape(i), "float32")
         for i in range(layers)
         for kind in ("key", "value")
     )
-    outputs = (Tensor("hidden_states_out", act[0].shape, "float32"),) + tuple(
-        Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in
+    outputs = (graphs.Tensor("hidden_states_out", act[0].shape, "float32"),) + tuple(
+        graphs.Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in
     )
     if use_functions:
         for kind in {_attention_kind(AttentionLayer(cfg, i, None)) for i in range(layers)}:
-            layer_function(kind)
+            graphs.layer_function(kind)
     stack = AttentionLayers(cfg, layers, config)
     dense = AttentionLayers(cfg, layers, None)
     n_act = len(act)
@@ -151,7 +142,7 @@ def attention_graph(
             params = nested(names, caches[2 * layers :], TEXT_LAYERS)
             caches = caches[: 2 * layers]
             pairs = tuple(zip(caches[0::2], caches[1::2], strict=True))
-            with nn.intercept_methods(route_layers(AttentionLayer, routed, _attention_kind)):
+            with nn.intercept_methods(graphs.route_layers(AttentionLayer, routed, _attention_kind)):
                 h, new = module.apply(
                     {"params": params}, hidden_states, position_ids, pairs, tuple(groups)
                 )
@@ -188,7 +179,7 @@ def attention_graph(
             feed[tensor.name] = rng.standard_normal(tensor.concrete(sym), dtype=np.float32)
         return feed
 
-    return GraphSpec(
+    return graphs.GraphSpec(
         name=name,
         kind="attention",
         options={

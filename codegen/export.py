@@ -30,7 +30,8 @@ from codegen import (
     vision_graph,
 )
 from codegen.clip import clip_fp16
-from codegen.folder import FORMAT, MANIFEST, publish
+from codegen.folder import publish
+from codegen.manifest import FORMAT, MANIFEST, Graph, Manifest, Shard, Tensor
 from codegen.ops import OPSET
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
@@ -185,16 +186,17 @@ def _atomic_text(path, text):
 
 
 def _io_entry(tensor, specializations):
-    return {
-        "name": tensor.name,
-        "dtype": tensor.dtype,
-        "shape": list(tensor.shape),
-        "shapes": {s["name"]: list(tensor.concrete(s["symbols"])) for s in specializations},
-    }
+    return Tensor(
+        name=tensor.name,
+        dtype=tensor.dtype,
+        shape=list(tensor.shape),
+        shapes={s["name"]: list(tensor.concrete(s["symbols"])) for s in specializations},
+    )
 
 
 def write_graph(spec, checkpoint, folder, opts, log):
-    """Trace, bind weights, write and check one graph; returns its manifest entry."""
+    """Trace, bind weights, write and check one graph; returns its manifest entry (a
+    `codegen.manifest.Graph`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     t0 = time.perf_counter()
     first = {spec.specializations[0]["name"]: checks.no_unclamped_dynamic_slice(spec, shapes)}
@@ -231,25 +233,25 @@ def write_graph(spec, checkpoint, folder, opts, log):
         f"{len(data) / 1e6:.2f} MB, {len(model.graph.node)} nodes, "
         f"functions {_function_names(model) or 'none'}"
     )
-    return {
-        "name": spec.name,
-        "file": f"{spec.name}.onnx",
-        "kind": spec.kind,
-        "options": spec.options,
-        "weights_mode": opts.weights,
-        "clip_fp16": clipped,
-        "weight_spec": weight_spec,
-        "sub_functions": bool(model.functions),
-        "functions": _function_names(model),
-        "nodes": len(model.graph.node),
-        "onnx_bytes": len(data),
-        "trace_s": round(traced, 3),
-        "inputs": [_io_entry(t, spec.specializations) for t in spec.inputs],
-        "outputs": [_io_entry(t, spec.specializations) for t in spec.outputs],
-        "weights": list(spec.weights),
-        "specializations": list(spec.specializations),
-        "retained_state": [list(p) for p in spec.retained],
-    }
+    return Graph(
+        name=spec.name,
+        file=f"{spec.name}.onnx",
+        kind=spec.kind,
+        options=spec.options,
+        weights_mode=opts.weights,
+        clip_fp16=clipped,
+        weight_spec=weight_spec,
+        sub_functions=bool(model.functions),
+        functions=_function_names(model),
+        nodes=len(model.graph.node),
+        onnx_bytes=len(data),
+        trace_s=round(traced, 3),
+        inputs=tuple(_io_entry(t, spec.specializations) for t in spec.inputs),
+        outputs=tuple(_io_entry(t, spec.specializations) for t in spec.outputs),
+        weights=list(spec.weights),
+        specializations=list(spec.specializations),
+        retained_state=[list(p) for p in spec.retained],
+    )
 
 
 def _prepare_out(out, force):
@@ -268,10 +270,10 @@ def retained_layout(entries):
     prefill-only and a decode-only export must agree on to hand the cache over."""
     for kind in ("decode", "prefill"):
         for e in entries:
-            if e["kind"] == kind:
-                retained = {pair[0] for pair in e["retained_state"]}
-                spec = e["specializations"][0]["name"]
-                return {t["name"]: t["shapes"][spec] for t in e["inputs"] if t["name"] in retained}
+            if e.kind == kind:
+                retained = {pair[0] for pair in e.retained_state}
+                spec = e.specializations[0]["name"]
+                return {t.name: t.shapes[spec] for t in e.inputs if t.name in retained}
     return None
 
 
@@ -290,8 +292,9 @@ def _fewer_collections():
 
 
 def export(opts, log=None):
-    """Write the export folder `opts.out`; returns the manifest dict. Raises ExportError,
-    CheckpointError, GraphError (bad input) or CheckError (a graph failed a check)."""
+    """Write the export folder `opts.out`; returns (its `codegen.manifest.Manifest`, seconds
+    the folder took to write). Raises ExportError, CheckpointError, GraphError (bad input) or
+    CheckError (a graph failed a check)."""
     with _fewer_collections():
         return _export(opts, log)
 
@@ -319,12 +322,8 @@ def _export(opts, log):
         for extra in extras:
             if (checkpoint.dir / extra).is_file():
                 shutil.copyfile(checkpoint.dir / extra, tmp / extra)
-        for s, source in zip(shards, checkpoint.shards, strict=True):
-            if s["copied"]:
-                log(f"warning: could not hard-link {s['file']}; copied {s['bytes']} bytes")
-            s["sha256"] = (
-                hashcache.sha256(tmp / s["file"], source=source) if opts.hash_shards else None
-            )
+        shards = [_shard(s, tmp, source, opts, log) for s, source in
+                  zip(shards, checkpoint.shards, strict=True)]  # fmt: skip
         entries = []
         for i, spec in enumerate(specs):
             log(f"[{i + 1}/{len(specs)}] {spec.name}")
@@ -332,24 +331,32 @@ def _export(opts, log):
         for name, text in qaic.compiler_files(entries, opts).items():
             _atomic_text(tmp / name, text)
         os.chmod(tmp / qaic.COMPILE_SCRIPT, 0o755)
-        manifest = {
-            "format": FORMAT,
-            "source": str(checkpoint.dir),
-            "opset": OPSET,
-            "options": _options_json(opts),
-            "shards": shards,
-            "bytes_copied": sum(s["bytes"] for s in shards if s["copied"]),
-            "graphs": entries,
-            "retained_layout": retained_layout(entries),
-        }
-        _atomic_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        manifest = Manifest(
+            format=FORMAT,
+            source=str(checkpoint.dir),
+            opset=OPSET,
+            options=_options_json(opts),
+            shards=tuple(shards),
+            bytes_copied=sum(s.bytes for s in shards if s.copied),
+            graphs=tuple(entries),
+            retained_layout=retained_layout(entries),
+        )
+        _atomic_text(tmp / MANIFEST, manifest.to_json())
         os.chmod(tmp, 0o755)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    manifest["export_s"] = time.perf_counter() - start
-    return manifest
+    return manifest, time.perf_counter() - start
+
+
+def _shard(placed, folder, source, opts, log):
+    """The Shard of one placed shard ({"file", "bytes", "copied"}: `external.place_shards`),
+    hashed unless `--no-hash`."""
+    if placed["copied"]:
+        log(f"warning: could not hard-link {placed['file']}; copied {placed['bytes']} bytes")
+    digest = hashcache.sha256(folder / placed["file"], source=source) if opts.hash_shards else None
+    return Shard(**placed, sha256=digest)
 
 
 def _options_json(opts):
@@ -369,22 +376,22 @@ def _options_json(opts):
 def summary(manifest):
     """The table printed after an export."""
     rows = [("graph", "specializations", "nodes", "functions", ".onnx MB", "trace s")]
-    for g in manifest["graphs"]:
+    for g in manifest.graphs:
         rows.append(
             (
-                g["name"],
-                ",".join(s["name"] for s in g["specializations"]),
-                str(g["nodes"]),
-                ",".join(g["functions"]) or "-",
-                f"{g['onnx_bytes'] / 1e6:.2f}",
-                f"{g['trace_s']:.1f}",
+                g.name,
+                ",".join(s["name"] for s in g.specializations),
+                str(g.nodes),
+                ",".join(g.functions) or "-",
+                f"{g.onnx_bytes / 1e6:.2f}",
+                f"{g.trace_s:.1f}",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    linked = sum(s["bytes"] for s in manifest["shards"] if not s["copied"])
+    linked = sum(s.bytes for s in manifest.shards if not s.copied)
     lines.append(
-        f"weights: {len(manifest['shards'])} shard(s), {linked} bytes hard-linked, "
-        f"{manifest['bytes_copied']} bytes copied"
+        f"weights: {len(manifest.shards)} shard(s), {linked} bytes hard-linked, "
+        f"{manifest.bytes_copied} bytes copied"
     )
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""The export folder as the runner and the checks read it: manifest.json (its format checked),
-each graph's ModelProto and onnxruntime session.
+"""The export folder as the runner and the checks read it: manifest.json (`codegen.manifest`,
+its shards checked), each graph's ModelProto and onnxruntime session.
 
 Imports onnx, onnxruntime and the folder's integrity check only — not the exporter (jax2onnx),
 so `codegen run` and `serve` load without it (a test keeps it so).
@@ -15,13 +15,8 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from codegen import external
+from codegen import external, manifest
 from codegen.integrity import check_folder
-
-MANIFEST = "manifest.json"
-# what export writes as manifest["format"]; a folder in another format is refused by name
-FORMAT = "gemma4-qaic-export/1"
-
 
 MMAP_BYTES = 1 << 20  # blocks from this size on are mapped, and unmapped when freed
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -41,27 +36,13 @@ def give_back():
         LIBC.malloc_trim(0)
 
 
-class VerifyError(ValueError):
-    """The folder is not an export this version can read."""
-
-
 def read_manifest(folder, *, check_shards=True):
-    """The folder's manifest.json, its format checked, after `codegen.integrity.check_folder`
-    unless told not to."""
-    try:
-        with open(os.path.join(folder, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{folder}: no readable {MANIFEST} ({e})") from e
-    found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found != FORMAT:
-        raise VerifyError(
-            f"{folder}: {MANIFEST} format {found!r}: expected {FORMAT!r} (export it again with "
-            "this version)"
-        )
+    """The folder's `codegen.manifest.Manifest` (`load`), after
+    `codegen.integrity.check_folder` unless told not to."""
+    found = manifest.load(folder)
     if check_shards:
-        check_folder(folder, manifest)
-    return manifest
+        check_folder(folder, found)
+    return found
 
 
 def options():
@@ -110,11 +91,12 @@ def session_at(model, path):
 
 
 def load_graph(entry, folder, checkpoint):
-    """The graph as an in-memory ModelProto (external data left on disk); `--weights inputs`
-    graphs get their weights bound from the weight spec."""
-    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
-    if entry.get("weight_spec") is not None:
-        with open(os.path.join(folder, entry["weight_spec"])) as f:
+    """The graph of manifest `entry` (a `codegen.manifest.Graph`) as an in-memory ModelProto
+    (external data left on disk); `--weights inputs` graphs get their weights bound from the
+    weight spec."""
+    model = onnx.load(os.path.join(folder, entry.file), load_external_data=False)
+    if entry.weight_spec is not None:
+        with open(os.path.join(folder, entry.weight_spec)) as f:
             spec = json.load(f)
         external.inputs_to_initializers(model, spec, checkpoint.tensors, checkpoint.dir)
     return model
@@ -123,11 +105,11 @@ def load_graph(entry, folder, checkpoint):
 def open_session(entry, folder, checkpoint):
     """An onnxruntime session on the graph; `--weights inputs` graphs get their weights bound
     from the weight spec (written beside the folder's other files, removed after loading)."""
-    path = os.path.join(folder, entry["file"])
-    if entry.get("weight_spec") is None:
+    path = os.path.join(folder, entry.file)
+    if entry.weight_spec is None:
         return ort.InferenceSession(path, options(), providers=["CPUExecutionProvider"])
     model = load_graph(entry, folder, checkpoint)
-    return session_at(model, os.path.join(folder, f".verify.{entry['name']}.onnx"))
+    return session_at(model, os.path.join(folder, f".verify.{entry.name}.onnx"))
 
 
 def publish(tmp, out):

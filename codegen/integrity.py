@@ -24,13 +24,13 @@ class FolderError(ValueError):
 
 
 def _check_shard(folder, shard, hashes):
-    path = os.path.join(folder, shard["file"])
+    path = os.path.join(folder, shard.file)
     if not os.path.isfile(path):
         raise FolderError(f"{path}: missing (manifest.json lists it)")
     size = os.path.getsize(path)
-    if size != shard["bytes"]:
-        raise FolderError(f"{path}: {size} bytes, manifest.json records {shard['bytes']}")
-    if hashes and shard.get("sha256") and hashcache.sha256(path) != shard["sha256"]:
+    if size != shard.bytes:
+        raise FolderError(f"{path}: {size} bytes, manifest.json records {shard.bytes}")
+    if hashes and shard.sha256 and hashcache.sha256(path) != shard.sha256:
         raise FolderError(
             f"{path}: sha256 differs from manifest.json's (the shard changed after export)"
         )
@@ -43,7 +43,7 @@ def _external_entries(model):
 
 
 def _check_graph(folder, entry, headers):
-    path = os.path.join(folder, entry["file"])
+    path = os.path.join(folder, entry.file)
     try:
         model = onnx.load(path, load_external_data=False)
     except (OSError, ValueError, DecodeError) as e:
@@ -57,28 +57,29 @@ def _check_graph(folder, entry, headers):
                 f"{path}: weight {name!r} points at bytes {where[0]}+{where[1]} of "
                 f"{ext.get('location')!r}, whose header gives {found}"
             )
-    if entry.get("weight_spec"):
-        with open(os.path.join(folder, entry["weight_spec"])) as f:
+    if entry.weight_spec:
+        with open(os.path.join(folder, entry.weight_spec)) as f:
             spec = json.load(f)
         for item in spec["inputs"]:
             loc = item["location"]
             if item["name"] not in headers.get(loc["file"], {}):
                 raise FolderError(
-                    f"{os.path.join(folder, entry['weight_spec'])}: weight {item['name']!r} "
+                    f"{os.path.join(folder, entry.weight_spec)}: weight {item['name']!r} "
                     f"is not in {loc['file']!r}"
                 )
 
 
 def check_folder(folder, manifest, *, hashes=True):
-    """Raise FolderError unless the folder's shards and graphs match `manifest` (see above).
-    hashes=False skips the sha256 (sizes and byte ranges are still checked)."""
-    for shard in manifest["shards"]:
+    """Raise FolderError unless the folder's shards and graphs match `manifest` (a
+    `codegen.manifest.Manifest`; see above). hashes=False skips the sha256 (sizes and byte
+    ranges are still checked)."""
+    for shard in manifest.shards:
         _check_shard(folder, shard, hashes)
     headers = {}
-    for shard in manifest["shards"]:
+    for shard in manifest.shards:
         try:
-            headers[shard["file"]] = read_header(os.path.join(folder, shard["file"]))
+            headers[shard.file] = read_header(os.path.join(folder, shard.file))
         except CheckpointError as e:
             raise FolderError(str(e)) from e
-    for entry in manifest["graphs"]:
+    for entry in manifest.graphs:
         _check_graph(folder, entry, headers)

@@ -2,7 +2,8 @@
 (`GraphSpec.options`, the manifest entry's "options"). `export.plan` builds every graph
 through `build` from the options it asks for, and `verify` rebuilds each graph of a folder
 from its manifest entry through the same call, so the two cannot drift apart. Options an
-older export did not record get their old meaning here (`_UPGRADES`).
+older export did not record get their old meaning when its manifest is read
+(`codegen.manifest`).
 """
 
 from codegen import attention_graph, model_graphs, vision_graph
@@ -42,10 +43,6 @@ BUILDERS = {
     "decode": _language,
     "attention": _attention,
 }
-# options older exports did not record, with the meaning they had then: the vision graph
-# attended with the dense mask (one tile each way); no continuous batching, no folded cache
-_LANGUAGE = {"full_batch_size": None, "folded_cache": False}
-_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": _LANGUAGE, "decode": _LANGUAGE}
 
 
 class KindError(ValueError):
@@ -58,4 +55,4 @@ def build(kind, name, config, shapes, options, *, use_functions):
     builder = BUILDERS.get(kind)
     if builder is None:
         raise KindError(f"graph {name!r} has unknown kind {kind!r} (known: {', '.join(BUILDERS)})")
-    return builder(config, shapes, name, {**_UPGRADES.get(kind, {}), **options}, use_functions)
+    return builder(config, shapes, name, options, use_functions)

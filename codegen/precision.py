@@ -25,11 +25,10 @@ import onnx.inliner
 from onnx import TensorProto, helper
 
 from codegen import graphs
-from codegen.folder import read_manifest, session_at
+from codegen.folder import session_at
 from codegen.layerwise import error
-from codegen.verify import selected, way
+from codegen.verify import opened, way
 from ref import numerics
-from weights import open_checkpoint
 
 _ONNX_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
@@ -157,9 +156,9 @@ def stats_of(got, names):
 def _device_session(entry, folder, precision):
     """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
     rewritten file sits in the folder (its external data paths are relative) while loading."""
-    model = onnx.load(os.path.join(folder, entry["file"]), load_external_data=False)
+    model = onnx.load(os.path.join(folder, entry.file), load_external_data=False)
     model, names, _ = device_graph(model, precision)
-    path = os.path.join(folder, f".precision.{entry['name']}.onnx")
+    path = os.path.join(folder, f".precision.{entry.name}.onnx")
     return session_at(model, path), names
 
 
@@ -204,12 +203,10 @@ def verify_precision(
     precision = numerics.format_name(precision)
     kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
     log = log or (lambda line: None)
-    folder = os.path.abspath(folder)
-    manifest = read_manifest(folder, check_shards=check_shards)
-    checkpoint = open_checkpoint(folder)
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     results = []
     # each spec's fn: the composition exported (vision tiles included: their order is in it)
-    for entry, spec, model in selected(folder, manifest, checkpoint, graphs, specializations):
+    for entry, spec, model in chosen:
         layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
         log(f"verify --precision {precision} {spec.name}: "
             f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
@@ -220,7 +217,7 @@ def verify_precision(
                     "graph": spec.name,
                     "specialization": s["name"],
                     **found,
-                    "clipped": bool((entry.get("clip_fp16") or {}).get("tensors")),
+                    "clipped": entry.clipped,
                     "way": "layer by layer" if layered else "whole graph",
                 }
             )

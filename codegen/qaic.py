@@ -104,23 +104,23 @@ def mdp_partition_config(num_devices, num_cores):
 
 def compiler_files(entries, opts):
     """{file name: text} the compiler needs beside the graphs: compile.sh (one qaic-compile per
-    manifest entry in `entries`, with `opts`' compiler options: an `ExportOptions`) and, with
-    `--num-devices N`, its partition config."""
+    `codegen.manifest.Graph` in `entries`, with `opts`' compiler options: an `ExportOptions`)
+    and, with `--num-devices N`, its partition config."""
     files = {}
     mdp = mdp_file(opts.num_devices)
     if mdp:
         files[mdp] = json.dumps(mdp_partition_config(opts.num_devices, opts.num_cores), indent=4)
     commands = [
         compile_command(
-            e["name"],
+            e.name,
             num_cores=opts.num_cores,
             mxfp6=opts.mxfp6,
             mos=opts.mos,
             mdp_config=mdp or opts.mdp_config,
             hw_version=opts.hw_version,
-            sub_functions=e["sub_functions"],
-            custom_io=bool(e["retained_state"]),
-            retained=bool(e["retained_state"]),
+            sub_functions=e.sub_functions,
+            custom_io=bool(e.retained_state),
+            retained=bool(e.retained_state),
         )
         for e in entries
     ]

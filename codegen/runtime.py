@@ -30,11 +30,6 @@ class RunError(ValueError):
     """The prompts, images or folder cannot be run with these graphs."""
 
 
-def _shapes(entry, spec_name):
-    """{input name: concrete shape} of a manifest graph entry at one specialization."""
-    return {t["name"]: tuple(t["shapes"][spec_name]) for t in entry["inputs"]}
-
-
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
@@ -62,19 +57,19 @@ class Runner:
         export with the same retained-state layout)."""
         self.folder = os.path.abspath(folder)
         manifest = read_manifest(self.folder, check_shards=check_shards)
-        graphs = {g["kind"]: g for g in manifest["graphs"]}
+        graphs = {g.kind: g for g in manifest.graphs}
         self.checkpoint = open_checkpoint(self.folder)
         homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
         if decode_folder is not None:
             decode_folder = os.path.abspath(decode_folder)
             other = read_manifest(decode_folder, check_shards=check_shards)
-            entry = next((g for g in other["graphs"] if g["kind"] == "decode"), None)
+            entry = next((g for g in other.graphs if g.kind == "decode"), None)
             if entry is None:
                 raise RunError(f"{decode_folder} has no decode graph (export it --decode-only)")
-            if other.get("retained_layout") != manifest.get("retained_layout"):
+            if other.retained_layout != manifest.retained_layout:
                 raise RunError(
-                    f"{decode_folder}: its KV-cache layout {other.get('retained_layout')} is not "
-                    f"the prefill's {manifest.get('retained_layout')}: export both sides with "
+                    f"{decode_folder}: its KV-cache layout {other.retained_layout} is not "
+                    f"the prefill's {manifest.retained_layout}: export both sides with "
                     "the same model, batch, ctx_len and cache options"
                 )
             graphs["decode"] = entry
@@ -92,10 +87,10 @@ class Runner:
             for kind in ("vision", "prefill", "decode")
             if kind in graphs
         }
-        o = graphs["prefill"]["options"]
+        o = graphs["prefill"].options
         self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
         self.budgets = sorted(o["budgets"])
-        self.slots = o.get("full_batch_size")  # continuous batching: the cache's slots
+        self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
 
     def generate(self, prompts, images=(), *, max_new_tokens, log=None):
         """Greedy tokens [len(prompts), max_new_tokens].
@@ -273,7 +268,7 @@ class Runner:
         want = sum(len(r) for r in runs)
         if len(images) != want:
             raise RunError(f"{len(images)} images given, the prompts hold {want} image runs")
-        prefill_inputs = {t["name"] for t in self.entries["prefill"]["inputs"]}
+        prefill_inputs = {t.name for t in self.entries["prefill"].inputs}
         if "vision_embeds" not in prefill_inputs:
             if want:
                 raise RunError("the prompts hold image runs but the prefill graph takes no images")
@@ -342,9 +337,8 @@ class Runner:
 
     def _empty_caches(self, kind):
         entry = self.entries[kind]
-        name = entry["specializations"][0]["name"]
-        retained = {pair[0] for pair in entry["retained_state"]}
-        shapes = _shapes(entry, name)
+        retained = {pair[0] for pair in entry.retained_state}
+        shapes = entry.shapes(entry.specializations[0]["name"])
         return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
 
     def _run(self, kind, feed):

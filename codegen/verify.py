@@ -14,7 +14,8 @@ import zlib
 import numpy as np
 
 from codegen import graphs, kinds, layerwise, segments
-from codegen.folder import VerifyError, load_graph, open_session, read_manifest
+from codegen.folder import load_graph, open_session, read_manifest
+from codegen.manifest import VerifyError
 from weights import open_checkpoint
 
 RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation
@@ -24,11 +25,12 @@ LAYERWISE_BYTES = 256 << 20
 
 
 def rebuild(entry, checkpoint):
-    """The GraphSpec a manifest entry was exported from (`codegen.kinds`), layers inlined."""
+    """The GraphSpec a manifest entry (`codegen.manifest.Graph`) was exported from
+    (`codegen.kinds`), layers inlined."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     try:
-        return kinds.build(entry["kind"], entry["name"], checkpoint.config, shapes,
-                           entry["options"], use_functions=False)  # fmt: skip
+        return kinds.build(entry.kind, entry.name, checkpoint.config, shapes, entry.options,
+                           use_functions=False)  # fmt: skip
     except kinds.KindError as e:
         raise VerifyError(str(e)) from e
 
@@ -81,7 +83,7 @@ def way(spec, entry, model, checkpoint, layerwise_given=None):
     and language graphs whose layers are ONNX functions go layer by layer when asked
     (layerwise_given True) or, by default, when their float32 weights exceed LAYERWISE_BYTES;
     everything else whole."""
-    if layerwise_given is False or entry["kind"] not in ("vision", "prefill", "decode"):
+    if layerwise_given is False or entry.kind not in ("vision", "prefill", "decode"):
         return "whole"
     if not segments.has_layers(model):
         return "whole"
@@ -96,13 +98,13 @@ def selected(folder, manifest, checkpoint, graphs=None, specializations=None):
     named in `specializations` (default all; a graph with none of them is left out). A name
     the export lacks is a VerifyError. A specialization's sample does not depend on which
     others are checked."""
-    names = [e["name"] for e in manifest["graphs"]]
+    names = [e.name for e in manifest.graphs]
     unknown = sorted(set(graphs or ()) - set(names))
     if unknown:
         raise VerifyError(f"{folder}: no graph {unknown[0]!r}; the export has {names}")
     chosen = []
-    for entry in manifest["graphs"]:
-        if not graphs or entry["name"] in graphs:
+    for entry in manifest.graphs:
+        if not graphs or entry.name in graphs:
             chosen.append((entry, rebuild(entry, checkpoint)))
     known = [s["name"] for _, spec in chosen for s in spec.specializations]
     unknown = sorted(set(specializations or ()) - set(known))
@@ -121,6 +123,15 @@ def selected(folder, manifest, checkpoint, graphs=None, specializations=None):
     return out
 
 
+def opened(folder, check_shards=True, graphs=None, specializations=None):
+    """(absolute folder, its checkpoint, `selected` graphs) of the export in `folder`, checked
+    first (`read_manifest`)."""
+    folder = os.path.abspath(folder)
+    manifest = read_manifest(folder, check_shards=check_shards)
+    checkpoint = open_checkpoint(folder)
+    return folder, checkpoint, selected(folder, manifest, checkpoint, graphs, specializations)
+
+
 def verify(
     folder, *, seed=0, check_shards=True, layerwise_given=None, log=None, graphs=None,
     specializations=None,
@@ -132,11 +143,9 @@ def verify(
     by layer, per layer and per specialization. graphs, specializations: the names of those to
     check (default all; `selected`)."""
     log = log or (lambda line: None)
-    folder = os.path.abspath(folder)
-    manifest = read_manifest(folder, check_shards=check_shards)
-    checkpoint = open_checkpoint(folder)
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     rows = []
-    for entry, spec, model in selected(folder, manifest, checkpoint, graphs, specializations):
+    for entry, spec, model in chosen:
         how = way(spec, entry, model, checkpoint, layerwise_given)
         gib = float32_bytes(spec, checkpoint) / 2**30
         log(f"verify {spec.name}: {'layer by layer' if how == 'layers' else 'whole graph'} "

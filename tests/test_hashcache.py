@@ -15,6 +15,7 @@ import pytest
 
 from codegen import external, hashcache
 from codegen.integrity import FolderError, check_folder
+from codegen.manifest import FORMAT, Manifest, Shard
 
 SIZE = hashcache.MIN_BYTES + 4096
 HOUR_AGO = time.time_ns() - 3600 * 10**9  # older than RECENT_NS: recordable
@@ -120,10 +121,12 @@ def test_check_folder_refuses_a_shard_changed_after_it_was_recorded(tmp_path, re
     header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
     header = header.encode()
     sparse(shard, 8 + len(header) + 4 * n, len(header).to_bytes(8, "little") + header, at=0)
-    manifest = {
-        "shards": [{"file": shard.name, "bytes": os.path.getsize(shard), "sha256": truth(shard)}],
-        "graphs": [],
-    }
+    recorded = Shard(
+        file=shard.name, bytes=os.path.getsize(shard), copied=False, sha256=truth(shard)
+    )
+    manifest = Manifest(
+        format=FORMAT, source="", opset=0, options={}, shards=(recorded,), bytes_copied=0, graphs=()
+    )
     check_folder(tmp_path, manifest)
     check_folder(tmp_path, manifest)
     assert reads == [str(shard)]

@@ -3,7 +3,6 @@ raises the project's ValueError naming the bad value — never NaN, a silent cla
 library's traceback. The table of cases and messages is docs/errors.md."""
 
 import json
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,12 +13,11 @@ from hypothesis import strategies as st
 
 from codegen.__main__ import main
 from codegen.defaults import DEFAULT_CONFIG, default_checkpoint
-from codegen.export import ExportOptions, export
 from ref.attention import blocked, reference
 from ref.gemma4 import Gemma4, VisionTower
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.step import step
-from tests.util import examples
+from tests.util import examples, folder_copy, small_export
 
 VOCAB = DEFAULT_CONFIG["text_config"]["vocab_size"]
 BAD_FLOATS = st.sampled_from([np.nan, np.inf, -np.inf])
@@ -168,15 +166,12 @@ def test_attention_refuses_positions_below_padding():
 
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export") / "out"
-    export(ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16), log=print)
-    return out
+    return small_export(checkpoint, tmp_path_factory)
 
 
 def _tampered(exported, tmp_path, how):
     """A copy of the export (shards copied, not linked) changed one way."""
-    folder = tmp_path / "copy"
-    shutil.copytree(exported, folder)
+    folder = folder_copy(exported, tmp_path)
     shard = folder / "model.safetensors"
     if how == "byte flipped":
         data = bytearray(shard.read_bytes())
@@ -229,8 +224,7 @@ def test_run_refuses_non_finite_patch_files(exported, tmp_path, capsys):
 
 
 def test_manifest_that_is_not_json_is_refused(exported, tmp_path, capsys):
-    folder = tmp_path / "copy"
-    shutil.copytree(exported, folder)
+    folder = folder_copy(exported, tmp_path)
     (folder / "manifest.json").write_text(json.dumps(["not", "a", "manifest"])[:-3])
     assert main(["verify", str(folder)]) == 2
     assert "manifest.json" in capsys.readouterr().err
@@ -241,8 +235,7 @@ def test_manifest_that_is_not_json_is_refused(exported, tmp_path, capsys):
 def test_manifest_of_another_format_is_refused(exported, tmp_path, capsys, command, found):
     """A folder whose manifest.json is not in the format this version writes (an older or a
     newer export, or none recorded) is refused by name before anything else is read."""
-    folder = tmp_path / "copy"
-    shutil.copytree(exported, folder)
+    folder = folder_copy(exported, tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["format"] = found
     (folder / "manifest.json").write_text(json.dumps(manifest))

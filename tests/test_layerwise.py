@@ -91,7 +91,7 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
 
     checkpoint = open_checkpoint(out)
     manifest = v.read_manifest(out, check_shards=False)
-    for entry in manifest["graphs"]:
+    for entry in manifest.graphs:
         spec = v.rebuild(entry, checkpoint)
         model = v.load_graph(entry, str(out), checkpoint)
         assert v.way(spec, entry, model, checkpoint) == "whole"

@@ -79,3 +79,10 @@ def test_the_runner_does_not_import_the_exporter():
     # the rule sees what verify pulls in
     mods, roots = reachable(("codegen.verify",))
     assert "jax2onnx" in roots and "codegen.folder" in mods
+
+
+def test_the_manifest_imports_neither_onnx_nor_the_exporter():
+    """`codegen.manifest` (the folder's contract) is plain Python: JSON and dataclasses."""
+    mods, roots = reachable(("codegen.manifest",))
+    assert mods == {"codegen.manifest"}
+    assert not roots & {"jax2onnx", "onnx", "onnxruntime", "onnx_ir", "jax"}, sorted(roots)

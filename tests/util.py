@@ -2,6 +2,7 @@
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -69,3 +70,19 @@ def examples(n):
     table in docs/testing.md); 20 times as many in the long profile (`HYPOTHESIS_PROFILE=long`),
     as tests without a count of their own go from hypothesis' 100 to the profile's 2000."""
     return 20 * n if settings.get_current_profile_name() == "long" else n
+
+
+def small_export(checkpoint, tmp_path_factory):
+    """The folder of `checkpoint` exported with one vision budget (70) and seq_len 16."""
+    from codegen.export import ExportOptions, export
+
+    out = tmp_path_factory.mktemp("export") / "out"
+    export(ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16), log=print)
+    return out
+
+
+def folder_copy(folder, tmp_path):
+    """tmp_path/copy: a copy of the export `folder` (shards copied, not linked) to change."""
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    return copy

@@ -6,6 +6,8 @@ A step is a prefill chunk or a decode token over a position-indexed KV cache (`i
 with `batch_index` (continuous batching) each row reads and writes its own cache slot.
 """
 
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -156,25 +158,20 @@ def check_step_values(config, cache, input_ids, position_ids, vision_embeds, ima
             )
 
 
-def step(
-    params,
-    lm_head,
-    cache,
-    input_ids,
-    position_ids,
-    vision_embeds=None,
-    image_idx=None,
-    batch_index=None,
-    **kw,
-):
+_SIGNATURE = inspect.signature(apply_step)
+
+
+def step(*args, **kwargs):
     """`apply_step` compiled (config, attention, last_only, return_hidden static), after
     `check_step_values` and `check_batch_index` on the concrete inputs; same arguments and
     result."""
-    check_batch_index(cache_view(kw["config"], cache), input_ids, batch_index)
-    check_step_values(kw["config"], cache, input_ids, position_ids, vision_embeds, image_idx)
-    return _compiled_step(
-        params, lm_head, cache, input_ids, position_ids, vision_embeds, image_idx, batch_index, **kw
-    )
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    a = bound.arguments
+    config, cache, ids = a["config"], a["cache"], a["input_ids"]
+    check_batch_index(cache_view(config, cache), ids, a.get("batch_index"))
+    check_step_values(config, cache, ids, a["position_ids"], a.get("vision_embeds"),
+                      a.get("image_idx"))  # fmt: skip
+    return _compiled_step(*bound.args, **bound.kwargs)
 
 
 def check_batch_index(cache, input_ids, batch_index):

@@ -234,12 +234,17 @@ class ClippableLinear(nn.Module):
         return clipped_linear(x, w, bounds)
 
 
-class Attention(nn.Module):
-    """Gemma4VisionAttention over a packed sequence: q/k norms, axial RoPE, scale 1."""
+class Packed(nn.Module):
+    """A module over the packed sequence, built from the config, cu_seqlens (per-item
+    attention; None: the segment mask) and tiles (query tiles, KV tiles)."""
 
     config: VisionConfig
     cu_seqlens: tuple | None = None
     tiles: tuple = (1, 1)
+
+
+class Attention(Packed):
+    """Gemma4VisionAttention over a packed sequence: q/k norms, axial RoPE, scale 1."""
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -277,12 +282,8 @@ class MLP(nn.Module):
         )
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(Packed):
     """Sandwich-normed block: `h = x + post(attn(in(x)))`, `out = h + post(mlp(pre(h)))`."""
-
-    config: VisionConfig
-    cu_seqlens: tuple | None = None
-    tiles: tuple = (1, 1)
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -296,13 +297,14 @@ class EncoderLayer(nn.Module):
         return x + RMSNorm(eps, name="post_feedforward_layernorm")(h)
 
 
-class Layers(nn.Module):
-    """`encoder.layers`: layers named "0", "1", … as in the checkpoint."""
+class Stack(Packed):
+    """A Packed module that may hand back every layer's output (keep_states)."""
 
-    config: VisionConfig
-    cu_seqlens: tuple | None = None
-    tiles: tuple = (1, 1)
     keep_states: bool = True
+
+
+class Layers(Stack):
+    """`encoder.layers`: layers named "0", "1", … as in the checkpoint."""
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -335,13 +337,8 @@ class PatchEmbedder(nn.Module):
         return patch_embed(patches, positions, w, table)
 
 
-class Encoder(nn.Module):
+class Encoder(Stack):
     """`encoder`: holds `layers`."""
-
-    config: VisionConfig
-    cu_seqlens: tuple | None = None
-    tiles: tuple = (1, 1)
-    keep_states: bool = True
 
     @nn.compact
     def __call__(self, x, positions, segment_ids):
@@ -349,7 +346,7 @@ class Encoder(nn.Module):
         return layers(x, positions, segment_ids)
 
 
-class VisionModel(nn.Module):
+class VisionModel(Stack):
     """Gemma4VisionModel on a packed sequence.
 
     __call__(patches [N, 3·p·p], positions [N, 2], segment_ids [N], pool_index [M, k²]) →
@@ -357,11 +354,6 @@ class VisionModel(nn.Module):
     "hidden_states" (embeddings then every layer's output, [N, D] each; () unless
     keep_states: an eager caller holds them all otherwise).
     """
-
-    config: VisionConfig
-    cu_seqlens: tuple | None = None
-    tiles: tuple = (1, 1)
-    keep_states: bool = True
 
     @nn.compact
     def __call__(self, patches, positions, segment_ids, pool_index):
