@@ -5,6 +5,8 @@ in onnxruntime, gives the tokens `Gemma4ForConditionalGeneration.generate` gives
 Gemma4Processor makes of the same pixels and text (its video processor stood in for by
 tests/hf_video.py: torchvision does not import beside this torch)."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -65,19 +67,36 @@ def prompts(draw):
         fps = draw(st.sampled_from([None, 10.0, 0.05]))  # 0.05: frames a minute and more apart
         videos.append((rng.integers(0, 256, (total, *size, 3), dtype=np.uint8), fps))
     order = draw(st.permutations(["<|image|>", "<|video|>", "<|video|>"]))
-    words = draw(st.lists(st.sampled_from(WORDS[:9]), min_size=4, max_size=4))
-    text = " ".join(w for pair in zip(words, [*order, ""], strict=True) for w in pair).strip()
+    words = draw(st.lists(st.sampled_from(WORDS[:9]), min_size=3, max_size=3))
+    # the prompt ends with its last item: the tiny model's next tokens then depend on it (with
+    # words after it, its 6-token sliding window sees only them and greedy tokens barely move)
+    text = " ".join(w for pair in zip(words, order, strict=True) for w in pair)
     return text, image, videos, num_frames
 
 
 def hf_tokens(model, text, image, videos, num_frames):
-    """(transformers' generated ids, expanded prompt ids, the least top-2 logit gap)."""
+    """(transformers' generated ids, expanded prompt ids, the least top-2 logit gap); image
+    may be None, videos empty."""
     stand_in = VideoStandIn(PATCH, BUDGET, num_frames, [fps for _, fps in videos])
     processor = hf_processor(word_tokenizer(), BUDGET, PATCH, video=stand_in)
-    out = processor(text=text, images=[image], videos=[f for f, _ in videos], return_tensors="pt")
-    inputs = {k: out[k] for k in HF_INPUTS}
+    out = processor(
+        text=text,
+        images=None if image is None else [image],
+        videos=[f for f, _ in videos] or None,
+        return_tensors="pt",
+    )
+    inputs = {k: out[k] for k in HF_INPUTS if k in out}
     tokens, gap = greedy_with_gap(model, inputs, NEW_TOKENS)
     return tokens, inputs["input_ids"][0].numpy(), gap
+
+
+def save_animation(path, frames, fps):
+    """An animated PNG of frames [T, H, W, 3] uint8 whose frame duration carries fps (none
+    when fps is None) → path."""
+    timing = {} if fps is None else {"duration": 1000 / fps}
+    first, *rest = [Image.fromarray(f) for f in frames]
+    first.save(path, save_all=True, append_images=rest, default_image=False, **timing)
+    return path
 
 
 _REFS = {}
@@ -118,12 +137,8 @@ def test_video_prompt_gives_transformers_tokens(exported, tmp_path_factory, caps
     folder = tmp_path_factory.mktemp("media")
     Image.fromarray(image).save(folder / "photo.png")
     args = ["run", str(out), "--image", str(folder / "photo.png"), "--prompt", text]
-    for i, (frames, fps) in enumerate(videos):
-        path = folder / f"clip{i}.png"
-        timing = {} if fps is None else {"duration": 1000 / fps}
-        first, *rest = [Image.fromarray(f) for f in frames]
-        first.save(path, save_all=True, append_images=rest, default_image=False, **timing)
-        args += ["--video", str(path)]
+    for i, video in enumerate(videos):
+        args += ["--video", str(save_animation(folder / f"clip{i}.png", *video))]
     args += ["--video-frames", str(num_frames), "--max-new-tokens", str(NEW_TOKENS)]
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
@@ -152,3 +167,50 @@ def test_read_video_keeps_only_the_sampled_frames(tmp_path):
         read_video(str(path), 8)
     with pytest.raises(RunError, match="no frame images"):
         read_video(str(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else ""), 1)
+
+
+def test_serve_takes_video_requests(exported, tmp_path_factory, tmp_path, capsys):
+    """`serve` over 2 slots, prefilling one at a time: a request with a video, one with an
+    image arriving a step later, one with a video and an image; each gets the tokens
+    transformers' `generate` gives it alone."""
+    model, out = exported
+    served = tmp_path_factory.mktemp("video-serve") / "out"
+    options = dict(budgets=(BUDGET,), seq_len=80, ctx_len=480, hash_shards=False)
+    options |= dict(full_batch_size=2, batch_size=1)
+    folder = tmp_path_factory.mktemp("video-serve-model")
+    model.save_pretrained(folder)
+    word_backend().save(str(folder / "tokenizer.json"))
+    export(ExportOptions(out=served, model=folder, **options), log=lambda msg: None)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        clips = [(rng.integers(0, 256, (3, 10 + 4 * i, 14, 3), dtype=np.uint8), 10.0 / (i + 1))
+                 for i in range(2)]  # fmt: skip
+        image = rng.integers(0, 256, (20, 12, 3), dtype=np.uint8)
+        asks = [("look at <|video|>", None, clips[:1]), ("this <|image|>", image, []),
+                ("<|image|> then <|video|>", image, clips[1:])]  # fmt: skip
+        wants = [hf_tokens(model, text, img, vids, 2) for text, img, vids in asks]
+        # the video requests' tokens must tell their second frame from their first, so that a
+        # chunk given another chunk's soft tokens cannot pass
+        repeated = [hf_tokens(model, text, img, [(v[[0, 0, 2]], fps) for v, fps in vids], 2)[0]
+                    for text, img, vids in asks]  # fmt: skip
+        moved = all(
+            (w[0] != r).any() for w, r, a in zip(wants, repeated, asks, strict=True) if a[2]
+        )
+        if moved and min(gap for _, _, gap in wants) > MARGIN:
+            break
+    Image.fromarray(image).save(tmp_path / "photo.png")
+    lines = []
+    for i, (text, img, vids) in enumerate(asks):
+        line = {"prompt": text, "max_new_tokens": NEW_TOKENS, "arrival": int(i == 1)}
+        if img is not None:
+            line["images"] = ["photo.png"]
+        if vids:
+            line["videos"] = [save_animation(tmp_path / f"clip{i}.png", *vids[0]).name]
+            line["video_frames"] = 2
+        lines.append(line)
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    assert main(["serve", str(served), "--requests", str(path)]) == 0
+    got = capsys.readouterr().out.splitlines()
+    assert got == [f"request {i}: " + ",".join(str(int(t)) for t in want)
+                   for i, (want, _, _) in enumerate(wants)]  # fmt: skip
