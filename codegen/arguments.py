@@ -90,9 +90,9 @@ def add_video_arguments(parser):
         action="append",
         default=[],
         metavar="DIR|FILE",
-        help="a video: a folder of frame images (in name order) or an animated GIF/WebP/PNG, "
-        "one <|video|> placeholder each in --prompt (repeatable, in order); only the kept "
-        "frames are read",
+        help="a video: a folder of frame images (in name order), an animated GIF/WebP/PNG or "
+        "a video file (MP4, MKV, ...: needs PyAV, the 'video' extra), one <|video|> "
+        "placeholder each in --prompt (repeatable, in order); only the kept frames are read",
     )
     parser.add_argument(
         "--video-fps",

@@ -1,7 +1,6 @@
-"""What `python -m codegen run` and `serve` read from the command line — image files, videos
-(a folder of frames, or an animated GIF/WebP/PNG, read by Pillow), the export's
-tokenizer.json, prompts, patch files, a JSONL file of requests — turned into what
-`codegen.runtime.Runner` takes; and the two commands' output."""
+"""What `python -m codegen run` and `serve` read from the command line — image and video files
+(`codegen.media`), the export's tokenizer.json, prompts, patch files, a JSONL file of requests
+— turned into what `codegen.runtime.Runner` takes; and the two commands' output."""
 
 import argparse
 import json
@@ -10,28 +9,12 @@ import sys
 
 import numpy as np
 
+from codegen.media import read_image, read_video
 from codegen.runtime import Request, RunError, Runner
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS, sample_frames
-from ref.gemma4.multimodal import SampledVideo, prompt_inputs
+from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
+from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import prompt_tokens
-
-FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
-def read_image(path):
-    """An image file as [H, W, 3|4] or [H, W] uint8 (what `ref.gemma4.images` takes): RGB, RGBA
-    and grayscale as stored, other modes (palette, CMYK, 16-bit) converted by Pillow."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            if img.mode not in ("RGB", "RGBA", "L"):
-                alpha = img.mode in ("LA", "PA") or "transparency" in img.info
-                img = img.convert("RGBA" if alpha else "RGB")
-            return np.asarray(img)
-    except (OSError, UnidentifiedImageError) as e:
-        raise RunError(f"--image {path}: {e}") from e
 
 
 def read_tokenizer(folder):
@@ -55,50 +38,6 @@ def default_soft_tokens(runner):
     """The largest exported budget whose image run fits one prefill chunk (else the least)."""
     fits = [b for b in runner.budgets if b <= runner.seq_len]
     return max(fits) if fits else min(runner.budgets, default=70)
-
-
-def _rgb(frame):
-    """A Pillow frame as [H, W, 3] uint8 (alpha composited on white as the image path does
-    not: Gemma 4's video processor converts frames to RGB)."""
-    return np.asarray(frame.convert("RGB"))
-
-
-def read_video(path, num_frames=VIDEO_FRAMES, fps=None):
-    """A video as a SampledVideo: only the `num_frames` kept frames are read, from a folder
-    of frame images (name order) or an animated image file (Pillow's frames; its frame
-    duration gives the fps unless `fps` is given)."""
-    from PIL import Image, ImageSequence, UnidentifiedImageError
-
-    def sampled(total, rate):
-        try:
-            return sample_frames(total, num_frames, None, rate)
-        except ValueError as e:
-            raise RunError(f"--video {path}: {e} (pass --video-frames)") from e
-
-    try:
-        if os.path.isdir(path):
-            names = sorted(n for n in os.listdir(path) if n.lower().endswith(FRAME_SUFFIXES))
-            if not names:
-                raise RunError(f"--video {path}: no frame images ({', '.join(FRAME_SUFFIXES)})")
-            index = sampled(len(names), fps)
-            frames = []
-            for i in index:
-                with Image.open(os.path.join(path, names[i])) as img:
-                    frames.append(_rgb(img))
-        else:
-            with Image.open(path) as img:
-                duration = img.info.get("duration")
-                rate = fps if fps is not None else (1000 / duration if duration else None)
-                index = sampled(getattr(img, "n_frames", 1), rate)
-                keep = set(index.tolist())
-                frames = [_rgb(f) for i, f in enumerate(ImageSequence.Iterator(img)) if i in keep]
-                fps = rate
-    except (OSError, UnidentifiedImageError) as e:
-        raise RunError(f"--video {path}: {e}") from e
-    if len({f.shape for f in frames}) != 1:
-        shapes = sorted({f.shape[:2] for f in frames})
-        raise RunError(f"--video {path}: frames of sizes {shapes}: expected one size")
-    return SampledVideo(np.stack(frames), index, fps)
 
 
 def _photo_prompt(args, runner):

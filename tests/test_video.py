@@ -6,6 +6,8 @@ Gemma4Processor makes of the same pixels and text (its video processor stood in 
 tests/hf_video.py: torchvision does not import beside this torch)."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from PIL import Image
 
 from codegen.__main__ import main
 from codegen.export import ExportOptions, export
-from codegen.inputs import read_video
+from codegen.media import read_video
 from codegen.runtime import RunError
 from ref.gemma4 import Gemma4
 from ref.gemma4.multimodal import prompt_inputs
@@ -214,3 +216,46 @@ def test_serve_takes_video_requests(exported, tmp_path_factory, tmp_path, capsys
     got = capsys.readouterr().out.splitlines()
     assert got == [f"request {i}: " + ",".join(str(int(t)) for t in want)
                    for i, (want, _, _) in enumerate(wants)]  # fmt: skip
+
+
+def write_mp4(path, frames, fps):
+    """An MPEG-4 Part 2 file of frames [T, H, W, 3] uint8 at fps, written with PyAV."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+
+
+@settings(max_examples=examples(3), deadline=None)
+@given(st.integers(1, 12), st.integers(0, 12), st.sampled_from([5, 24, 30]), st.integers(0, 99))
+def test_video_file_frames_are_transformers_pyav_frames(num_frames, extra, fps, seed):
+    """A video file read by PyAV keeps the frames, indices and fps transformers'
+    `load_video(backend="pyav")` keeps (both decode the same lossy file); a container that
+    does not state its frame count is counted."""
+    from transformers.video_utils import load_video
+
+    path = Path(tempfile.mkdtemp()) / "clip.mp4"
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(0, 256, (num_frames + extra, 32, 48, 3), dtype=np.uint8)
+    write_mp4(path, frames, fps)
+    video = read_video(str(path), num_frames)
+    want, meta = load_video(str(path), num_frames=num_frames, backend="pyav")
+    np.testing.assert_array_equal(video.frames, want)
+    np.testing.assert_array_equal(video.index, meta.frames_indices)
+    assert video.fps == meta.fps == fps
+    # Matroska does not state the frame count (transformers then samples from 0 frames): it
+    # is counted by decoding, and the same stream gives the same frames
+    write_mp4(path.with_suffix(".mkv"), frames, fps)
+    counted = read_video(str(path.with_suffix(".mkv")), num_frames)
+    np.testing.assert_array_equal(counted.frames, video.frames)
+    np.testing.assert_array_equal(counted.index, video.index)
+    with pytest.raises(RunError, match="pass --video-frames"):
+        read_video(str(path), num_frames + extra + 1)
+    (path.parent / "junk.mp4").write_bytes(b"not a video")
+    with pytest.raises(RunError, match="junk.mp4"):
+        read_video(str(path.parent / "junk.mp4"), 1)
