@@ -27,6 +27,7 @@ from codegen import graphs
 from codegen import layerwise as lw
 from codegen import segments as sg
 from codegen.folder import give_back
+from codegen.head_slices import head_rows
 from codegen.precision import (
     device_graph,
     first_nonfinite_onnx,
@@ -226,7 +227,7 @@ def _head_call(name, checkpoint, precision, records):
 
         def run(x):
             parts = []
-            for rows in sg.head_rows(checkpoint, name):
+            for rows in head_rows(checkpoint, name):
                 start = len(records)
                 fn = Logits(cap=module.cap).apply
                 parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])

@@ -31,7 +31,8 @@ import numpy as np
 
 from codegen import graphs
 from codegen.folder import LIBC, give_back
-from codegen.segments import LayerwiseError, Runner, head_rows
+from codegen.head_slices import head_rows
+from codegen.segments import LayerwiseError, Runner
 from ref.attention import reference
 from ref.cache import take_rows
 from ref.gemma4.step import Logits

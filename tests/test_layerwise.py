@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from codegen import graphs, layerwise, segments
+from codegen import graphs, head_slices, layerwise, segments
 from codegen.__main__ import main
 from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
@@ -211,7 +211,7 @@ def test_cli_prints_which_way_and_each_layer(out, capsys):
 
 
 def test_the_output_head_in_vocabulary_slices_gives_the_same_logits(out, monkeypatch):
-    monkeypatch.setattr(segments, "VOCAB_ROWS", 50)  # the default model's 256 rows: 6 slices
+    monkeypatch.setattr(head_slices, "VOCAB_ROWS", 50)  # the default model's 256 rows: 6 slices
     sliced = []
     plan = segments.vocab_slices
 
