@@ -61,7 +61,7 @@ def _run(case, precision, floats, scalars):
     """ref on the inputs cast to `precision` → numpy output (ref's output dtype).
 
     One jit per call: one XLA compile instead of one per distinct primitive and shape (ref's
-    blocked modes unroll into hundreds); measured 1.4× faster on tests/test_vectors.py.
+    blocked modes unroll into hundreds); measured 1.4× faster on tests/codegen/test_vectors.py.
     """
     dtype = PRECISIONS[precision][1]
     with jax.enable_x64(True):

@@ -7,7 +7,7 @@ import tempfile
 
 # The default run compiles thousands of small XLA programs and runs each a few times: compile
 # time is most of it, and XLA's backend optimizations cost more than they save (measured
-# on tests/test_vision.py's transformers test: 41 s → 26 s). Results stay within every test's
+# on tests/ref/test_vision.py's transformers test: 41 s → 26 s). Results stay within every test's
 # tolerance (docs/testing.md). The long profile keeps the optimizing compiler, as users run it.
 # Set before jax is imported, in os.environ so that subprocess tests inherit it.
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"

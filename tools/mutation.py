@@ -31,26 +31,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRATCH = ROOT / "build" / "mutation"
 TREES = ["ref", "weights", "codegen", "benchmarks", "tests", "docs"]  # docs: tests read them
-FILES = ["README.md"]  # tests/test_blocking.py checks the README's table of modes
+FILES = ["README.md"]  # tests/ref/test_blocking.py checks the README's table of modes
 
 # Not the hypothesis sweep over random shapes nor the transformers comparison (minutes per
 # mutant under eager JAX); the numpy oracles, exact masks and the fixed-shape mode sweep.
 ATTENTION_TESTS = [
-    "tests/test_attention.py",
+    "tests/ref/test_attention.py",
     "-k",
     "not test_blocked_equals_reference and not test_reference_matches_transformers",
 ]
 
 # Module → the pytest arguments that select its tests (fast ones: they run once per mutant).
 MODULES = {
-    "ref/cache.py": ["tests/test_cache.py", "tests/test_attention_export.py"],
-    "ref/blocking.py": ["tests/test_blocking.py"],
+    "ref/cache.py": ["tests/ref/test_cache.py", "tests/codegen/test_attention_export.py"],
+    "ref/blocking.py": ["tests/ref/test_blocking.py"],
     "ref/attention/dense.py": ATTENTION_TESTS,
     "ref/attention/blocks.py": ATTENTION_TESTS,
-    "ref/rope.py": ["tests/test_rope.py"],
-    "ref/gemma4/packing.py": ["tests/test_packing.py"],
-    "weights/safetensors.py": ["tests/test_weights.py"],
-    "weights/writer.py": ["tests/test_weights.py"],
+    "ref/rope.py": ["tests/ref/test_rope.py"],
+    "ref/gemma4/packing.py": ["tests/ref/test_packing.py"],
+    "weights/safetensors.py": ["tests/weights/test_weights.py"],
+    "weights/writer.py": ["tests/weights/test_weights.py"],
 }
 
 # Extra environment per module. attention: four CPU devices, so `mesh=` really splits the heads

@@ -6,7 +6,7 @@ vpatches, vgrids, times = preprocess_video(frames)   # 32 frames, ≤ 70 soft to
 n = num_soft_tokens(grids)                         # soft tokens per image (ref.gemma4.prompts)
 
 What transformers 5.24 does (Gemma4ImageProcessorPil, Gemma4VideoProcessor, Gemma4Processor),
-matched here and checked in tests/test_images.py:
+matched here and checked in tests/ref/test_images.py:
 
 - Size: the largest (H', W') with sides multiples of k·p (k = pooling 3, p = patch 16) and
   H'·W' ≤ M·k²·p² for the budget M, from `sqrt(M·k²·p² / (H·W))` and floors, in the same

@@ -5,7 +5,7 @@ video — as patches and a grid, in order of appearance.
 ids, patches, grids = prompt_inputs("look <|image|> then <|video|>", [photo], [clip],
                                     patch_size=16, pooling_kernel_size=3, tokenize=tokenize)
 
-As transformers' Gemma4Processor and Gemma4Model do (checked in tests/test_video.py):
+As transformers' Gemma4Processor and Gemma4Model do (checked in tests/e2e/test_video.py):
 - an image becomes `<|image>` + n × `<|image|>` + `<image|>` (n its soft tokens at
   `max_soft_tokens`); a video becomes, per kept frame, `"mm:ss <|image>" + m × "<|video|>"
   + "<image|>"` (m the frame's soft tokens at `video_soft_tokens`, 70 by default; 32 frames

@@ -7,7 +7,7 @@ text or on token ids (`expand_prompt`), with the placeholder tokens of a config
   joined by one space, where mm:ss is ⌊t/60⌋:⌊t mod 60⌋ (two digits each, minutes not
   wrapped) of the frame's time t.
 
-Checked against transformers' Gemma4Processor in tests/test_images.py.
+Checked against transformers' Gemma4Processor in tests/ref/test_images.py.
 """
 
 import re

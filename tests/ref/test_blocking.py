@@ -435,7 +435,7 @@ def test_docs_table_of_modes_is_the_table():
 
     from ref import blocking
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     for doc in ("docs/attention.md", "README.md"):
         assert blocking.markdown_table() in (root / doc).read_text(), doc
     for prefill in (False, True):

@@ -10,7 +10,7 @@ from PIL import Image
 from codegen import plan as kit
 from codegen import vector_options
 from codegen.__main__ import main
-from tests.test_vectors import visible_numpy
+from tests.visibility import visible_numpy
 
 SMALL = {"batch": "2", "heads": "4", "kv_heads": "2", "seq": "6", "ctx": "10", "head_dim": "4"}
 

@@ -15,30 +15,8 @@ from codegen import vector_options, vectors
 from codegen.__main__ import main
 from ref.attention import reference
 from ref.blocking import mode as blocking_mode
+from tests.visibility import visible_numpy
 from weights import read_header
-
-
-def sees(qp, kp, qg, kg, window):
-    """Whether a query at position qp (vision run qg) sees a key at kp (run kg)."""
-    if qp < 0 or kp < 0:
-        return False
-    if window is not None and qp - kp >= window:
-        return False
-    return kp <= qp or (qg >= 0 and qg == kg)
-
-
-def visible_numpy(q_pos, kv_pos, q_group=None, kv_group=None, window=None):
-    """[B, S, T] bool, key by key."""
-    b, s = q_pos.shape
-    t = kv_pos.shape[1]
-    qg = np.full((b, s), -1) if q_group is None else q_group
-    kg = np.full((b, t), -1) if kv_group is None else kv_group
-    out = np.zeros((b, s, t), bool)
-    for i in range(b):
-        for j in range(s):
-            for x in range(t):
-                out[i, j, x] = sees(q_pos[i, j], kv_pos[i, x], qg[i, j], kg[i, x], window)
-    return out
 
 
 def attention_numpy(q, k, v, visible, scale=1.0, softcap=None):
