@@ -20,8 +20,8 @@ import numpy as np
 
 from codegen.folder import open_session, read_manifest
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.model import chunk_bounds, image_runs
 from ref.gemma4.packing import pack, pack_patches
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.text_config import TextConfig
 from weights import open_checkpoint
 
@@ -194,14 +194,9 @@ class Runner:
         last = [None] * len(rows)
         chunks = max(len(s) for s in schedule)
         for k in range(chunks):
-            ids = np.zeros((self.batch, self.seq_len), np.int32)
-            pos = np.full((self.batch, self.seq_len), -1, np.int32)
-            counts = np.zeros(len(rows), int)
-            for i, bounds in enumerate(schedule):
-                if k < len(bounds):
-                    s, e = bounds[k]
-                    ids[i, : e - s], pos[i, : e - s] = rows[i][s:e], np.arange(s, e)
-                    counts[i] = np.isin(rows[i][s:e], self.text.vision_token_ids).sum()
+            ids, pos = chunk_arrays(rows, schedule, k, self.batch, self.seq_len)
+            counts = np.isin(ids[: len(rows)], self.text.vision_token_ids) & (pos[: len(rows)] >= 0)
+            counts = counts.sum(axis=1)
             feed = {"input_ids": ids, "position_ids": pos, **caches}
             if streams is not None:
                 feed.update(self._window(streams, offsets, counts))

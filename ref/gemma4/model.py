@@ -19,6 +19,7 @@ from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.step import apply_step, check_step_values, step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
@@ -40,54 +41,6 @@ def attention_for(mode, *, prefill, batch, queries, ctx_len):
         phase = "prefill" if prefill else "decode"
         raise ValueError(f"{phase}_blocking={mode!r}: {e}") from e
     return reference if config is None else partial(blocked, config=config)
-
-
-def image_runs(ids, *token_ids):
-    """(start, length) of each contiguous run of vision tokens — any of `token_ids`: the image
-    token, the video token (one run per frame) — in a row. ids: [L]."""
-    is_image = np.concatenate([[False], np.isin(np.asarray(ids), token_ids), [False]])
-    edges = np.flatnonzero(is_image[1:] != is_image[:-1])
-    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
-
-
-def chunk_bounds(length, runs, chunk_size, max_vision=None):
-    """Half-open chunks covering [0, length): at most chunk_size tokens, never splitting an
-    image run — a run that does not fit ends the chunk before it, and a run longer than
-    chunk_size gets a chunk of its own — and, with max_vision, at most max_vision tokens of
-    runs per chunk (a run past it starts the next chunk; one run alone is never cut).
-
-    An image run attends to itself bidirectionally, so its first tokens need its last ones:
-    prefilled across two chunks, the first part would be computed without the second.
-    """
-    if chunk_size is None:
-        return [(0, length)]
-    run_of = np.full(length + 1, -1)
-    for i, (a, n) in enumerate(runs):
-        run_of[a : a + n] = i
-    bounds, start = [], 0
-    while start < length:
-        end = min(start + chunk_size, length)
-        r = run_of[end]
-        if end < length and r >= 0 and run_of[end - 1] == r:
-            a, n = runs[r]
-            end = a if a > start else a + n
-        if max_vision is not None:
-            end = _vision_cut(runs, start, end, max_vision)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def _vision_cut(runs, start, end, max_vision):
-    """The end of chunk [start, end) cut before the first run that takes its run tokens past
-    max_vision (not before a run at `start`)."""
-    total = 0
-    for a, n in runs:
-        if start <= a < end:
-            if total + n > max_vision and a > start:
-                return a
-            total += n
-    return end
 
 
 @partial(jax.jit, static_argnames=("config", "attention", "last_only", "mesh"))
@@ -299,13 +252,7 @@ class Gemma4:
         image_idx = None if vision_embeds is None else jnp.zeros((b, 1), jnp.int32)
         last = [None] * b
         for k in range(max(len(s) for s in schedule)):
-            chunk_ids = np.zeros((b, seq), np.int32)
-            chunk_pos = np.full((b, seq), -1, np.int32)
-            for i, bounds in enumerate(schedule):
-                if k < len(bounds):
-                    s, e = bounds[k]
-                    chunk_ids[i, : e - s] = rows[i][s:e]
-                    chunk_pos[i, : e - s] = np.arange(s, e)
+            chunk_ids, chunk_pos = chunk_arrays(rows, schedule, k, b, seq)
             out = self._run(
                 cache, chunk_ids, chunk_pos, vision_embeds, image_idx, attention=attention
             )

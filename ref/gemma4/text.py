@@ -3,7 +3,7 @@
 A step is a prefill chunk or a decode token: it writes its keys/values into a position-indexed
 KV cache and attends over the cache, so a prompt prefilled whole, in chunks, or token by token
 gives the same result — as long as no chunk boundary cuts an image run, whose tokens see each
-other both ways (see `ref.gemma4.model.chunk_bounds`). Module and parameter names are the
+other both ways (see `ref.gemma4.schedule.chunk_bounds`). Module and parameter names are the
 checkpoint's own: the subtree under `model.language_model` is `TextModel`'s params as it is.
 
 Image soft tokens (from the vision tower, after embed_vision) replace the embeddings of the

@@ -16,7 +16,7 @@ from ref.blocking import BlockingConfig
 from ref.cache import fold
 from ref.gemma4 import Gemma4
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.model import chunk_bounds, image_runs
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.step import step
 from tests.hf_vision import patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_generate, hf_model, prompt, text_config
@@ -45,10 +45,9 @@ def prefill_into(model, cache, slot, ids, soft, attention=reference):
     run = dict(config=model.config, last_only=True, attention=attention)
     vision = None if soft is None else jnp.asarray(soft[None])
     image_idx = None if soft is None else jnp.zeros((1, 1), jnp.int32)
-    for s, e in chunk_bounds(len(ids), image_runs(ids, IMAGE), CHUNK):
-        chunk = np.zeros((1, CHUNK), np.int32)
-        pos = np.full((1, CHUNK), -1, np.int32)
-        chunk[0, : e - s], pos[0, : e - s] = ids[s:e], np.arange(s, e)
+    bounds = chunk_bounds(len(ids), image_runs(ids, IMAGE), CHUNK)
+    for k in range(len(bounds)):
+        chunk, pos = chunk_arrays([ids], [bounds], k, 1, CHUNK)
         out = step(
             model.params, model.lm_head, cache, chunk, pos, vision, image_idx,
             jnp.array([[slot]], jnp.int32), **run,

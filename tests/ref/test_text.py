@@ -19,11 +19,8 @@ from ref.blocking import DENSE_NAMES, BlockingConfig
 from ref.blocking import names as blocking_names
 from ref.cache import scatter_positions
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.model import (
-    attention_for,
-    chunk_bounds,
-    image_runs,
-)
+from ref.gemma4.model import attention_for
+from ref.gemma4.schedule import chunk_bounds, image_runs
 from ref.gemma4.step import step
 from ref.gemma4.text import merge_vision, vision_runs
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
