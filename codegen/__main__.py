@@ -112,7 +112,12 @@ def main(argv=None):
         from codegen.export import ExportOptions, export, summary
 
         blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
-        fields = {k: v for k, v in vars(args).items() if k not in ("command", "blocking")}
+        # options left out are None here and take ExportOptions' defaults: their one home
+        fields = {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("command", "blocking") and v is not None
+        }
         opts = ExportOptions(blocking=blocking, **fields)
         manifest, seconds = export(opts)
     except ValueError as e:  # CheckpointError, GraphError, ExportError, ...: bad input

@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from codegen import arguments
+from codegen.options import EXPORT_DEFAULTS as D
 from ref import formats
 from ref.blocking import VISION_TILES
 from ref.gemma4.images import BUDGETS, DEFAULT_BUDGETS
@@ -41,7 +42,6 @@ def parser():
     e.add_argument(
         "--budgets",
         type=arguments.budgets,
-        default=DEFAULT_BUDGETS,
         help="vision soft-token budgets, one specialization each, from "
         f"{','.join(map(str, BUDGETS))} (default {','.join(map(str, DEFAULT_BUDGETS))}; "
         "empty: no vision graph)",
@@ -49,7 +49,6 @@ def parser():
     e.add_argument(
         "--vision-tiles",
         type=arguments.tiles,
-        default=VISION_TILES,
         metavar="QxKV",
         help="the vision graph's attention in Q query tiles × KV tiles with the online-softmax "
         "state, so one tile's scores are live at a time; each count must divide every "
@@ -59,7 +58,6 @@ def parser():
     e.add_argument(
         "--graphs",
         type=arguments.graph_kinds,
-        default=("model",),
         help="what to export besides the vision tower: model (the language model's prefill "
         "and decode graphs; the default), attention (stacks of text attention layers, one per "
         "--blocking mode, for kernel work), or model,attention",
@@ -67,7 +65,6 @@ def parser():
     e.add_argument(
         "--prefill-blocking",
         type=arguments.phase_blocking,
-        default=("none", {}),
         metavar="MODE[:opt=v,...]",
         help="the prefill graph's attention: none (dense, the default), q, kv, qkv, online "
         "(QEfficient's prefill modes) or any mode of --blocking; options left out take the "
@@ -76,7 +73,6 @@ def parser():
     e.add_argument(
         "--decode-blocking",
         type=arguments.phase_blocking,
-        default=("none", {}),
         metavar="MODE[:opt=v,...]",
         help="the decode graph's attention: none (dense, the default) or a mode such as kv, "
         "hqkv, bhqkv, kv_headpar with its options (left out: the mode's defaults)",
@@ -90,7 +86,6 @@ def parser():
     e.add_argument(
         "--sliding-ring",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="sliding-window layers keep a ring of min(sliding_window, ctx_len) slots, as "
         "QEfficient sizes them (the default); --no-sliding-ring: ctx_len slots, as full layers",
     )
@@ -112,26 +107,23 @@ def parser():
         "cache, one head layout per layer type)",
     )
     e.add_argument(
-        "--batch-size", type=int, default=1, help="batch of every text graph (default 1)"
+        "--batch-size", type=int, help=f"batch of every text graph (default {D['batch_size']})"
     )
     e.add_argument(
         "--seq-len",
         type=int,
-        default=128,
-        help="tokens per prefill chunk and attention call (default 128; decode is 1); a "
-        "prompt's image runs must each fit in one chunk",
+        help=f"tokens per prefill chunk and attention call (default {D['seq_len']}; decode is "
+        "1); a prompt's image runs must each fit in one chunk",
     )
     e.add_argument(
         "--ctx-len",
         type=int,
-        default=256,
         help="KV cache length; with language graphs every vision budget must be < ctx_len "
-        "(default 256)",
+        f"(default {D['ctx_len']})",
     )
     e.add_argument(
         "--weights",
         choices=("external", "inputs"),
-        default="external",
         help="external: initializers pointing into the safetensors shards (default); "
         "inputs: graph inputs + weight spec v5 (QEfficient's form)",
     )
@@ -148,20 +140,18 @@ def parser():
     )
     e.add_argument(
         "--kv-dtype",
-        default="float16",
         help="retained KV cache precision in "
         f"custom_io.yaml: one of {', '.join(formats.with_aliases(formats.KV))}; default float16",
     )
-    e.add_argument("--num-cores", type=int, default=16, help="-aic-num-cores (default 16)")
+    e.add_argument("--num-cores", type=int, help=f"-aic-num-cores (default {D['num_cores']})")
     e.add_argument("--mxfp6", action="store_true", help="add -mxfp6-matmul")
     e.add_argument("--mos", type=int, help="add -mos=N")
     e.add_argument("--mdp-config", help="add -mdp-load-partition-config=FILE")
     e.add_argument(
         "--num-devices",
         type=int,
-        default=1,
         help="tensor-slice each graph over N devices: writes QEfficient's mdp_ts_N.json "
-        "(--num-cores per device) and passes it to qaic-compile (default 1)",
+        f"(--num-cores per device) and passes it to qaic-compile (default {D['num_devices']})",
     )
     phase = e.add_mutually_exclusive_group()
     phase.add_argument(
@@ -169,7 +159,6 @@ def parser():
         dest="phases",
         action="store_const",
         const=("prefill",),
-        default=("prefill", "decode"),
         help="disaggregated serving: the vision and prefill graphs only (the manifest records "
         "the KV-cache layout the decode side must share)",
     )
@@ -180,7 +169,7 @@ def parser():
         const=("decode",),
         help="disaggregated serving: the decode graph only",
     )
-    e.add_argument("--hw-version", default="ai100", help="-aic-hw-version (default ai100)")
+    e.add_argument("--hw-version", help=f"-aic-hw-version (default {D['hw_version']})")
     e.add_argument(
         "--clip-fp16",
         action="store_true",

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.params import EMBED_VISION, text_param_shapes, vision_param_shapes
+from ref.gemma4.params import EMBED_VISION, VISION, text_param_shapes, vision_param_shapes
 from ref.gemma4.text_config import TextConfig
 
 DEFAULT_CONFIG = {
@@ -107,7 +107,7 @@ def default_tensors(config=None, seed=SEED):
     """{checkpoint name: bfloat16 array} of the default model (deterministic in `seed`)."""
     config = DEFAULT_CONFIG if config is None else config
     vision = VisionConfig.from_hf(config)
-    shapes = {"model.vision_tower." + n: s for n, s in vision_param_shapes(vision).items()}
+    shapes = {VISION + n: s for n, s in vision_param_shapes(vision).items()}
     shapes[EMBED_VISION] = (vision.text_hidden_size, vision.hidden_size)
     shapes.update(text_param_shapes(TextConfig.from_hf(config)))
     rng = np.random.default_rng(seed)

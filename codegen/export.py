@@ -33,6 +33,7 @@ from codegen.clip import clip_fp16
 from codegen.folder import publish
 from codegen.manifest import FORMAT, MANIFEST, Graph, Manifest, Shard, Tensor
 from codegen.ops import OPSET
+from codegen.options import EXPORT_DEFAULTS
 from codegen.trace import trace
 from ref.blocking import VISION_TILES
 from ref.gemma4.images import DEFAULT_BUDGETS
@@ -60,20 +61,20 @@ class ExportOptions:
     full_batch_size: int | None = None
     blocking: tuple = ()  # attention graphs: ((mode, {option: value}), ...)
     attention_layers: int | None = None
-    batch_size: int = 1
-    seq_len: int = 128
-    ctx_len: int = 256
+    batch_size: int = EXPORT_DEFAULTS["batch_size"]
+    seq_len: int = EXPORT_DEFAULTS["seq_len"]
+    ctx_len: int = EXPORT_DEFAULTS["ctx_len"]
     weights: str = "external"
     sub_functions: bool = True
     legacy_specializations: bool = False
     kv_dtype: str = "float16"
-    num_cores: int = 16
+    num_cores: int = EXPORT_DEFAULTS["num_cores"]
     mxfp6: bool = False
     mos: int | None = None
     mdp_config: str | None = None
-    num_devices: int = 1
+    num_devices: int = EXPORT_DEFAULTS["num_devices"]
     phases: tuple = ("prefill", "decode")  # --prefill-only / --decode-only
-    hw_version: str = "ai100"
+    hw_version: str = EXPORT_DEFAULTS["hw_version"]
     hash_shards: bool = True
     force: bool = False
     verify: bool = True

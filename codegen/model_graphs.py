@@ -29,13 +29,13 @@ from codegen.graphs import (
 )
 from ref.attention import blocked, reference
 from ref.gemma4 import text as T
-from ref.gemma4.params import nested, text_param_shapes
+from ref.gemma4.params import TEXT, nested, text_param_shapes
 from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import SLIDING
 from weights import check_shapes
 
 LM_HEAD = "lm_head.weight"
-TEXT_PREFIXES = ("model.language_model.", "model.")
+TEXT_PREFIXES = (TEXT, "model.")
 
 
 def text_prefix(tensor_names):
@@ -105,12 +105,8 @@ def model_weights(cfg, tensor_shapes):
     checkpoint has its own), after checking every shape against `ref`."""
     prefix = text_prefix(tensor_shapes)
     if prefix is None:
-        raise GraphError(
-            "no text decoder: missing tensor 'model.language_model.embed_tokens.weight'"
-        )
-    expected = {
-        prefix + n[len("model.language_model.") :]: s for n, s in text_param_shapes(cfg).items()
-    }
+        raise GraphError(f"no text decoder: missing tensor '{TEXT}embed_tokens.weight'")
+    expected = {prefix + n[len(TEXT) :]: s for n, s in text_param_shapes(cfg).items()}
     if LM_HEAD in tensor_shapes:
         expected[LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
     check_shapes(tensor_shapes, expected, "checkpoint")

@@ -11,7 +11,7 @@ from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.images import BUDGETS
 from ref.gemma4.packing import pack
-from ref.gemma4.params import nested, vision_param_shapes
+from ref.gemma4.params import VISION, nested, vision_param_shapes
 from ref.gemma4.tower import tower_apply
 from weights import check_shapes
 
@@ -19,7 +19,7 @@ from weights import check_shapes
 def vision_prefix(tensor_names):
     """Where the tower's names start: "model.vision_tower." in a full Gemma 4 checkpoint
     ("vision_tower." in some saves), "" in a saved vision model; None without a tower."""
-    for prefix in ("model.vision_tower.", "vision_tower.", ""):
+    for prefix in (VISION, VISION.removeprefix("model."), ""):
         if prefix + "patch_embedder.input_proj.weight" in tensor_names:
             return prefix
     return None

@@ -18,6 +18,7 @@ from ref.blocking import BlockingConfig, for_phase
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.multimodal import prompt_inputs
+from ref.gemma4.params import TEXT
 from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.step import apply_step, check_step_values, step
@@ -80,7 +81,7 @@ class Gemma4:
         self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh = sharding.auto_axes(mesh)
-        self.params = sharding.put(text_params, self.dtype, mesh, "model.language_model.")
+        self.params = sharding.put(text_params, self.dtype, mesh, TEXT)
         self.lm_head = (
             None if lm_head is None else sharding.put(lm_head, dtype, mesh, "lm_head.weight")
         )

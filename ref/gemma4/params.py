@@ -16,6 +16,7 @@ from ref.gemma4.attention_stack import AttentionLayer
 from ref.gemma4.kv_cache import init_cache
 
 TEXT = "model.language_model."
+VISION = "model.vision_tower."
 EMBED_VISION = "model.embed_vision.embedding_projection.weight"
 
 

@@ -10,6 +10,7 @@ from ref import sharding
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.images import preprocess
 from ref.gemma4.packing import pack, pack_patches
+from ref.gemma4.params import VISION
 from ref.gemma4.vision import EmbedVision, VisionModel
 
 LOADER_GROUP = "gemma4_qaic.checkpoint_loaders"
@@ -87,7 +88,7 @@ class VisionTower:
         mesh = sharding.auto_axes(mesh)
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.params = sharding.put(params, self.dtype, mesh, "model.vision_tower.")
+        self.params = sharding.put(params, self.dtype, mesh, VISION)
         self.embed_params = None
         if embed_params is not None:
             self.embed_params = sharding.put(embed_params, self.dtype, mesh, "model.embed_vision.")

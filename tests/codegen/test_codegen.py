@@ -449,3 +449,22 @@ def test_help_documents_every_option(capsys):
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:
         assert flag in text
+
+
+def test_export_options_left_out_take_export_options_defaults(monkeypatch, tmp_path):
+    """The command line sets only what it is given: every other option is ExportOptions'
+    default (codegen.options holds the values both read), so the two cannot drift apart."""
+    import codegen.export
+
+    seen = {}
+
+    def capture(opts):
+        seen["opts"] = opts
+        raise ValueError("captured")
+
+    monkeypatch.setattr(codegen.export, "export", capture)
+    assert main(["export", "--out", str(tmp_path / "o")]) == 2
+    opts = seen["opts"]
+    assert opts == ExportOptions(out=tmp_path / "o", blocking=opts.blocking)
+    assert main(["export", "--out", str(tmp_path / "o"), "--seq-len", "64", "--no-verify"]) == 2
+    assert (seen["opts"].seq_len, seen["opts"].verify, seen["opts"].ctx_len) == (64, False, 256)
