@@ -116,7 +116,7 @@ class ExportOptions:
             raise ExportError(str(e)) from e
 
 
-def plan(checkpoint, opts):
+def graph_specs(checkpoint, opts):
     """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
     checkpoint has one), then the language model's prefill and decode graphs (`--graphs
     model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
@@ -312,7 +312,7 @@ def _export(opts, log):
     else:
         model_dir = opts.model
     checkpoint = open_checkpoint(model_dir)
-    specs = plan(checkpoint, opts)
+    specs = graph_specs(checkpoint, opts)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     start = time.perf_counter()

@@ -1,5 +1,5 @@
 """The graph kinds, in one place: each kind's builder called with the options a graph records
-(`GraphSpec.options`, the manifest entry's "options"). `export.plan` builds every graph
+(`GraphSpec.options`, the manifest entry's "options"). `export.graph_specs` builds every graph
 through `build` from the options it asks for, and `verify` rebuilds each graph of a folder
 from its manifest entry through the same call, so the two cannot drift apart. Options an
 older export did not record get their old meaning when its manifest is read
@@ -51,7 +51,7 @@ class KindError(ValueError):
 
 def build(kind, name, config, shapes, options, *, use_functions):
     """The GraphSpec of graph `name` of `kind` from its options (a manifest entry's, or what
-    `export.plan` asks for). shapes: {checkpoint tensor name: shape}."""
+    `export.graph_specs` asks for). shapes: {checkpoint tensor name: shape}."""
     builder = BUILDERS.get(kind)
     if builder is None:
         raise KindError(f"graph {name!r} has unknown kind {kind!r} (known: {', '.join(BUILDERS)})")
