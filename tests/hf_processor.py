@@ -11,6 +11,8 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImagePr
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 from transformers.processing_utils import ProcessorMixin
 
+from tests.text_oracle import top2_gap
+
 # ids 0–6 as tests/text_oracle.py's models use them: pad, eos, bos, unk, image, boi, eoi
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|image>", "<image|>", "<|video|>"]
 SPECIAL += ["<|audio|>", "<|audio>", "<audio|>"]
@@ -73,7 +75,5 @@ def greedy_with_gap(model, inputs, new_tokens):
             output_logits=True,
             return_dict_in_generate=True,
         )
-    logits = np.stack([x[0].numpy() for x in out.logits])
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    gap = float((top2[:, 1] - top2[:, 0]).min())
+    gap = top2_gap(np.stack([x[0].numpy() for x in out.logits]))
     return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap

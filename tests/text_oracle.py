@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-from tests.hf_vision import hf_padded_inputs, randomize_
+from tests.hf_vision import hf_padded_inputs, patches_for, randomize_
 
 IMAGE, BOI, EOI = 4, 5, 6
 FIRST_TEXT = 7  # prompt tokens are drawn from [FIRST_TEXT, vocab)
@@ -116,3 +116,20 @@ def hf_generate(model, ids, patches, grids, max_new_tokens):
         )
     tokens = out.sequences[0, len(ids) :].numpy()
     return tokens, np.stack([x[0].numpy() for x in out.logits])
+
+
+def top2_gap(logits):
+    """The least gap between the two largest logits over steps: [N, V] → float (below ~1e-4,
+    float32 runs may pick either token)."""
+    top2 = np.sort(np.asarray(logits), axis=-1)[:, -2:]
+    return float((top2[:, 1] - top2[:, 0]).min())
+
+
+def hf_request(model, rng, length, grids, new_tokens, vocab=96):
+    """One random request and transformers' answer to it alone: `length` text ids with a run
+    of image tokens per grid (h·w/9 soft tokens) at random places, each image's random
+    patches (2×2 pixels: patches_for's 12 values) → (ids, patches, tokens, top2_gap)."""
+    patches = patches_for(grids, rng, 12)
+    ids = prompt(rng, length, [h * w // 9 for h, w in grids], vocab)
+    tokens, logits = hf_generate(model, ids, patches, grids, new_tokens)
+    return ids, patches, tokens, top2_gap(logits)

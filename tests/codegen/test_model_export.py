@@ -20,7 +20,7 @@ from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
 from codegen.runtime import RunError, Runner
 from tests.hf_vision import patches_for
-from tests.text_oracle import hf_generate, hf_model, prompt, text_config
+from tests.text_oracle import hf_model, hf_request, prompt, text_config
 from tests.util import examples
 
 NEW_TOKENS = 12
@@ -96,11 +96,8 @@ def oracle(model, rows, seed):
     rng = np.random.default_rng(seed)
     prompts, images, want, gap = [], [], [], np.inf
     for length, grids in rows:
-        patches = patches_for(grids, rng, 12)
-        ids = prompt(rng, length, [h * w // 9 for h, w in grids], 96)
-        tokens, logits = hf_generate(model, ids, patches, grids, NEW_TOKENS)
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        gap = min(gap, float((top2[:, 1] - top2[:, 0]).min()))
+        ids, patches, tokens, row_gap = hf_request(model, rng, length, grids, NEW_TOKENS)
+        gap = min(gap, row_gap)
         prompts.append(ids)
         images += list(zip(patches, grids, strict=True))
         want.append(tokens)

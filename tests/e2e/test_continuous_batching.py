@@ -18,8 +18,8 @@ from ref.gemma4 import Gemma4
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.step import step
-from tests.hf_vision import patches_for, tree_of
-from tests.text_oracle import IMAGE, hf_generate, hf_model, prompt, text_config
+from tests.hf_vision import tree_of
+from tests.text_oracle import IMAGE, hf_model, hf_request, text_config
 from tests.util import examples
 
 SLOTS, CTX, CHUNK = 3, 48, 8
@@ -118,11 +118,8 @@ def test_each_request_gets_transformers_tokens(lengths, images, new, arrivals, s
     requests, want = [], []
     for length, has_image, n, arrival in zip(lengths, images, new, arrivals, strict=True):
         grids = [(6, 6)] if has_image else []
-        patches = patches_for(grids, rng, 12)
-        ids = prompt(rng, length, [4] * len(grids), 96)
-        tokens, logits = hf_generate(hf, ids, patches, grids, n)
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        assume((top2[:, 1] - top2[:, 0]).min() > MARGIN)
+        ids, patches, tokens, gap = hf_request(hf, rng, length, grids, n)
+        assume(gap > MARGIN)
         soft = np.asarray(ours.vision.embed(patches, grids)[0]) if grids else None
         requests.append((arrival, ids, soft, n))
         want.append(tokens)

@@ -16,7 +16,7 @@ from codegen.export import ExportOptions, export
 from codegen.runtime import Request, RunError, Runner
 from codegen.verify import verify
 from tests.hf_vision import patches_for
-from tests.text_oracle import hf_generate, hf_model, prompt, text_config
+from tests.text_oracle import hf_generate, hf_model, hf_request, prompt, text_config
 from tests.util import examples
 
 SLOTS, BATCH = 3, 2
@@ -102,11 +102,8 @@ def check_serve(hf, runner, lengths, data, seed):
         grids = data.draw(st.lists(st.sampled_from(GRIDS), max_size=2))
         new = data.draw(st.integers(2, 8))
         arrival = data.draw(st.integers(0, 8))
-        patches = patches_for(grids, rng, 12)
-        ids = prompt(rng, length, [h * w // 9 for h, w in grids], 96)
-        tokens, logits = hf_generate(hf, ids, patches, grids, new)
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        assume((top2[:, 1] - top2[:, 0]).min() > MARGIN)
+        ids, patches, tokens, gap = hf_request(hf, rng, length, grids, new)
+        assume(gap > MARGIN)
         requests.append(Request(ids, list(zip(patches, grids, strict=True)), new, arrival))
         want.append(tokens)
     got, timeline = runner.serve(requests)
