@@ -86,3 +86,15 @@ def test_the_manifest_imports_neither_onnx_nor_the_exporter():
     mods, roots = reachable(("codegen.manifest",))
     assert mods == {"codegen.manifest"}
     assert not roots & {"jax2onnx", "onnx", "onnxruntime", "onnx_ir", "jax"}, sorted(roots)
+
+
+KIT = ("codegen.vectors", "codegen.vector_cases", "codegen.vector_options", "codegen.plan")
+KIT += ("codegen.plan_draw",)
+
+
+def test_the_kit_imports_no_onnx():
+    """The kernel kit (golden vectors, schedules and their pictures) is `ref` and numpy: it
+    reaches no ONNX library and no exporter module."""
+    mods, roots = reachable(KIT)
+    assert not roots & {"onnx", "onnxruntime", "onnx_ir", "jax2onnx"}, sorted(roots)
+    assert not mods & {"codegen.export", "codegen.trace", "codegen.graphs", "codegen.folder"}
