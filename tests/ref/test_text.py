@@ -20,7 +20,7 @@ from ref.blocking import names as blocking_names
 from ref.cache import scatter_positions
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import attention_for
-from ref.gemma4.schedule import chunk_bounds, image_runs
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.step import step
 from ref.gemma4.text import merge_vision, vision_runs
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
@@ -317,6 +317,46 @@ def test_chunk_bounds_cover_and_keep_runs_whole(length, chunk, max_vision, seed)
         assert max_vision is None or vision <= max_vision or len(inside) == 1
     for a, n in runs:
         assert any(s <= a and a + n <= e for s, e in bounds), f"run {(a, n)} split by {bounds}"
+
+
+@settings(max_examples=examples(40))
+@given(st.lists(st.sampled_from([9, IMAGE, 7, 11]), max_size=30))
+def test_image_runs_are_the_maximal_runs_of_either_id(ids):
+    """Runs of image or video ids, token by token in plain Python: each maximal stretch whose
+    tokens are all image or video ids (mixed ids form one stretch here)."""
+    want, start = [], None
+    for i, t in enumerate([*ids, None]):
+        inside = t in (IMAGE, 7)
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            want.append((start, i - start))
+            start = None
+    assert image_runs(np.asarray(ids, np.int64), IMAGE, 7) == want
+    assert image_runs(np.asarray(ids, np.int64)) == []
+
+
+def test_chunk_bounds_cut_only_where_they_must():
+    """A whole prompt without chunk_size; a chunk holding exactly max_vision run tokens is not
+    cut; one token more starts the next chunk at that run."""
+    assert chunk_bounds(5, [(1, 2)], None) == [(0, 5)]
+    assert chunk_bounds(20, [(1, 3), (5, 3)], 20, 6) == [(0, 20)]
+    assert chunk_bounds(20, [(1, 3), (5, 4)], 20, 6) == [(0, 5), (5, 20)]
+    assert chunk_bounds(20, [(0, 7), (9, 2)], 20, 6) == [(0, 9), (9, 20)]
+
+
+def test_chunk_arrays_lay_out_one_step_of_every_row():
+    """Step k: each row's k-th chunk left-aligned with its positions, −1 past it, for rows
+    without a k-th chunk, and for the batch rows past the prompts."""
+    rows = [np.arange(10, 17), np.arange(20, 23)]
+    schedule = [[(0, 4), (4, 7)], [(0, 3)]]
+    ids, pos = chunk_arrays(rows, schedule, 0, 3, 5)
+    np.testing.assert_array_equal(ids, [[10, 11, 12, 13, 0], [20, 21, 22, 0, 0], [0] * 5])
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 3, -1], [0, 1, 2, -1, -1], [-1] * 5])
+    ids, pos = chunk_arrays(rows, schedule, 1, 3, 5)
+    np.testing.assert_array_equal(ids, [[14, 15, 16, 0, 0], [0] * 5, [0] * 5])
+    np.testing.assert_array_equal(pos, [[4, 5, 6, -1, -1], [-1] * 5, [-1] * 5])
+    assert ids.dtype == pos.dtype == np.int32
 
 
 def _tiny():
