@@ -51,10 +51,12 @@ def read_video(path, num_frames=VIDEO_FRAMES, fps=None):
             for i in index:
                 with Image.open(os.path.join(path, names[i])) as img:
                     frames.append(_rgb(img))
-        elif not _is_image(path):
-            return _read_av(path, num_frames, fps)
         else:
-            with Image.open(path) as img:
+            try:
+                img = Image.open(path)
+            except UnidentifiedImageError:  # not an image or animation: a video file
+                return _read_av(path, num_frames, fps)
+            with img:
                 duration = img.info.get("duration")
                 rate = fps if fps is not None else (1000 / duration if duration else None)
                 index = _sampled(path, getattr(img, "n_frames", 1), num_frames)
@@ -76,17 +78,6 @@ def _sampled(path, total, num_frames):
         return sample_frames(total, num_frames)
     except ValueError as e:
         raise RunError(f"--video {path}: {e} (pass --video-frames)") from e
-
-
-def _is_image(path):
-    """True when Pillow identifies the file (an image or an animation)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path):
-            return True
-    except UnidentifiedImageError:
-        return False
 
 
 def _read_av(path, num_frames, fps):
