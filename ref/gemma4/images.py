@@ -277,14 +277,20 @@ def preprocess_video(
     frames: [T, H, W, 3] uint8 → (patches: n × [h·w, 3·p·p] float32, grids: n × (h, w),
     timestamps: n seconds, index / video_fps, with fps 24 when video_fps is None).
     """
-    frames = np.asarray(frames)
-    if frames.ndim != 4 or 0 in frames.shape:
-        raise ValueError(f"video frames have shape {frames.shape}: expected [T, H, W, 3], T ≥ 1")
-    if video_fps is not None and not video_fps > 0:
-        raise ValueError(f"video_fps={video_fps!r}: expected a positive frame rate")
+    frames = _checked_frames(frames, video_fps)
     index = sample_frames(frames.shape[0], num_frames, fps, video_fps)
     sizes = dict(patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
     return preprocess_frames(frames[index], index, max_soft_tokens, video_fps=video_fps, **sizes)
+
+
+def _checked_frames(frames, video_fps):
+    """frames as an array, refused unless [T, H, W, 3] with T ≥ 1 and video_fps None or > 0."""
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
+        raise ValueError(f"video frames have shape {frames.shape}: expected [T, H, W, 3], T ≥ 1")
+    if video_fps is not None and not video_fps > 0:
+        raise ValueError(f"video_fps={video_fps!r}: expected a positive frame rate")
+    return frames
 
 
 def preprocess_frames(
@@ -301,15 +307,11 @@ def preprocess_frames(
     index [n] their indices in the video → as `preprocess_video`."""
     _check_budget(max_soft_tokens)
     _check_sizes(patch_size, pooling_kernel_size)
-    frames = np.asarray(frames)
+    frames = _checked_frames(frames, video_fps)
     if frames.dtype != np.uint8:
         raise ValueError(f"video frames have dtype {frames.dtype}: expected uint8")
-    if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
-        raise ValueError(f"video frames have shape {frames.shape}: expected [T, H, W, 3], T ≥ 1")
     if len(index) != len(frames):
         raise ValueError(f"{len(index)} frame indices for {len(frames)} frames: expected one each")
-    if video_fps is not None and not video_fps > 0:
-        raise ValueError(f"video_fps={video_fps!r}: expected a positive frame rate")
     size = target_size(
         *frames.shape[1:3],
         max_soft_tokens,

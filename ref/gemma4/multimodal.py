@@ -28,6 +28,7 @@ from ref.gemma4.images import (
     preprocess_video,
 )
 from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt
+from ref.gemma4.schedule import image_runs
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,10 @@ def prompt_inputs(
 
 
 def _run_kinds(ids, tokens):
-    """The placeholder id (image or video token) of each vision run of ids, in order. [L] →
-    list of ints."""
-    vision = np.isin(ids, (tokens.image_token_id, tokens.video_token_id))
-    starts = np.flatnonzero(vision & ~np.concatenate([[False], vision[:-1]]))
-    ends = np.flatnonzero(vision & ~np.concatenate([vision[1:], [False]]))
-    for a, b in zip(starts, ends, strict=True):
-        if len(set(ids[a : b + 1].tolist())) != 1:
-            raise ValueError(f"ids {a}…{b}: a run mixes image and video tokens")
-    return [int(ids[a]) for a in starts]
+    """The placeholder id (image or video token) of each vision run of ids (`image_runs`), in
+    order. [L] → list of ints."""
+    runs = image_runs(ids, tokens.image_token_id, tokens.video_token_id)
+    for a, n in runs:
+        if len(set(ids[a : a + n].tolist())) != 1:
+            raise ValueError(f"ids {a}…{a + n - 1}: a run mixes image and video tokens")
+    return [int(ids[a]) for a, _ in runs]
