@@ -79,6 +79,30 @@ class ExportOptions:
     force: bool = False
     verify: bool = True
     clip_fp16: bool = False  # codegen.clip: clamp out-of-range weights and known overflow points
+    comp_ctx_lengths_prefill: tuple = ()  # compute context lengths (`ccl_lists`)
+    comp_ctx_lengths_decode: tuple = ()
+
+    def ccl_lists(self):
+        """{phase: its compute context lengths}: each list given sorted, ctx_len appended when
+        missing (as QEfficient's `validate_ccl_lists`; a phase's last specialization then
+        reaches every position), () for a phase given none (its graph takes no
+        `comp_ctx_lengths`). A value outside [seq_len (prefill) or 1, ctx_len] is an
+        ExportError naming it (QEfficient raises it to 1,024 or clamps it, silently)."""
+        lists = {}
+        for phase, given in (
+            ("prefill", self.comp_ctx_lengths_prefill),
+            ("decode", self.comp_ctx_lengths_decode),
+        ):
+            low = self.seq_len if phase == "prefill" else 1
+            for k in given:
+                if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= self.ctx_len:
+                    option = f"--comp-ctx-lengths-{phase}"
+                    what = "seq_len" if phase == "prefill" else "1"
+                    raise ExportError(
+                        f"{option} {k!r}: expected ints in [{what}={low}, ctx_len={self.ctx_len}]"
+                    )
+            lists[phase] = tuple(sorted({*given, self.ctx_len})) if given else ()
+        return lists
 
     def validate(self):
         """Raise ExportError for an option value no export could use."""
@@ -114,6 +138,7 @@ class ExportOptions:
             vision_graph.check_budgets(self.budgets, None)
         except graphs.GraphError as e:
             raise ExportError(str(e)) from e
+        self.ccl_lists()
 
 
 def graph_specs(checkpoint, opts):
@@ -156,6 +181,7 @@ def graph_specs(checkpoint, opts):
                 "sliding_ring": opts.sliding_ring,
                 "full_batch_size": opts.full_batch_size,
                 "folded_cache": folded,
+                "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
             }
             specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(

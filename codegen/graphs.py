@@ -166,6 +166,8 @@ class GraphSpec:
     (`ref.gemma4.step.Logits`), which such a check reads a slice of the vocabulary at a time.
     lazy: inputs the composition reads only as layer arguments, so such a check draws each
     (`Drawn`) when its layer is reached; every other `Drawn` input is drawn before it runs.
+    constraints: what the trace may assume of the symbols left symbolic (`jax.export`'s
+    constraint strings, e.g. "comp_ctx_lengths <= 4096": a slice to a symbolic end needs it).
     """
 
     name: str
@@ -183,6 +185,7 @@ class GraphSpec:
     gathered: tuple = ()
     head: str | None = None
     lazy: tuple = ()
+    constraints: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,9 @@ MANIFEST = "manifest.json"
 FORMAT = "gemma4-qaic-export/1"
 
 # graph options older exports did not record, with the meaning they had then: the vision graph
-# attended with the dense mask (one tile each way); no continuous batching, no folded cache
-_LANGUAGE = {"full_batch_size": None, "folded_cache": False}
+# attended with the dense mask (one tile each way); no continuous batching, no folded cache,
+# no compute context lengths
+_LANGUAGE = {"full_batch_size": None, "folded_cache": False, "comp_ctx_lengths": []}
 _OPTION_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": _LANGUAGE, "decode": _LANGUAGE}
 
 

@@ -35,6 +35,7 @@ from ref.gemma4.text_config import SLIDING
 from weights import check_shapes
 
 LM_HEAD = "lm_head.weight"
+CCL = "comp_ctx_lengths"  # QEfficient's input and symbol: the graph reads its length only
 TEXT_PREFIXES = (TEXT, "model.")
 
 
@@ -115,9 +116,11 @@ def model_weights(cfg, tensor_shapes):
 
 
 def _sample(cfg, vision, cache_in, symbols, rng):
-    """Random inputs: per row positions from a random start with a padded tail, text ids with
-    a run of image tokens (prefill), random soft tokens, image_idx and caches (`Drawn`)."""
-    b, s, t = symbols["batch_size"], symbols["seq_len"], symbols["ctx_len"]
+    """Random inputs: per row positions from a random start with a padded tail (below the
+    compute context length with one), text ids with a run of image tokens (prefill), random
+    soft tokens, image_idx and caches (`Drawn`)."""
+    b, s = symbols["batch_size"], symbols["seq_len"]
+    t = symbols.get(CCL, symbols["ctx_len"])
     start = rng.integers(0, t - s + 1, (b, 1))
     pos = (start + np.arange(s)[None, :]).astype(np.int32)
     pad = rng.integers(0, s // 2 + 1, b) if s > 1 else np.zeros(b, int)
@@ -136,6 +139,8 @@ def _sample(cfg, vision, cache_in, symbols, rng):
             image_idx[r, 0] = rng.integers(0, v - (hi - lo) + 1)
         feed["vision_embeds"] = rng.standard_normal((b, v, cfg.hidden_size), dtype=np.float32)
         feed["image_idx"] = image_idx
+    if CCL in symbols:
+        feed[CCL] = np.zeros(symbols[CCL], np.int64)  # its length is what the graph reads
     if "full_batch_size" in symbols:
         slots = rng.permutation(symbols["full_batch_size"])[:b].astype(np.int32)
         feed["batch_index"] = slots[:, None]
@@ -158,6 +163,7 @@ def model_graph(
     sliding_ring=True,
     full_batch_size=None,
     folded_cache=False,
+    comp_ctx_lengths=(),
     use_functions=True,
 ):
     """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
@@ -170,6 +176,10 @@ def model_graph(
     slot (its batch_size is full_batch_size). folded_cache: every cache held batch-folded,
     [1, rows·Hkv, T, D] (`folds_cache`; a decode graph in `kv_batch_fold` holds it so
     always): each layer unfolds and folds its own cache (`ref.gemma4.kv_cache.unfolded`).
+    comp_ctx_lengths: compute context lengths K (QEfficient's CCL): the graph takes an input
+    `comp_ctx_lengths` [K] (int64, its length read only) and attends to the first K cache
+    slots (`apply_step`'s key_len), one specialization per K (× vision budget); every
+    position of a step must be < K (the runner picks the least K above them).
     """
     if full_batch_size is not None:
         if full_batch_size < batch_size:
@@ -209,6 +219,11 @@ def model_graph(
                     config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
         except ValueError as e:
             raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
+    if config is not None and comp_ctx_lengths:
+        raise GraphError(
+            f"{phase} compute context lengths with {phase} blocking {mode!r}: blocked attention "
+            "over a symbolic key length is not built; export that phase with dense attention"
+        )
     folded = folded_cache or (config is not None and config.batch_fold)
     prefix, names = model_weights(cfg, tensor_shapes)
     kernel = reference if config is None else partial(blocked, config=config)
@@ -225,6 +240,9 @@ def model_graph(
         )
     if full_batch_size is not None:
         ids += (Tensor("batch_index", ("batch_size", 1), "int32"),)
+    ccls = check_ccls(comp_ctx_lengths, ctx_len, seq_len, phase)
+    if ccls:
+        ids += (Tensor(CCL, (CCL,), "int64"),)
     rows = "batch_size" if full_batch_size is None else "full_batch_size"
     cache_in = _cache_tensors(cfg, sliding_ring, ctx_len, rows, folded)
     outputs = (Tensor("logits", ("batch_size", 1, cfg.vocab_size), "float32"),)
@@ -248,7 +266,9 @@ def model_graph(
                 "v": {str(i): caches[2 * j + 1] for j, i in enumerate(owners)},
             }
             vision_args = head[2:4] if vision else (None, None)
-            batch_index = head[-1] if full_batch_size is not None else None
+            named = dict(zip((t.name for t in ids), head, strict=True))
+            batch_index = named.get("batch_index")
+            key_len = named[CCL].shape[0] if ccls else None
             kind = lambda module: kinds[module.layer]  # noqa: E731
             with nn.intercept_methods(route_layers(T.DecoderLayer, routed, kind)):
                 out = apply_step(
@@ -262,6 +282,7 @@ def model_graph(
                     config=cfg,
                     attention=attention,
                     last_only=True,
+                    key_len=key_len,
                 )
             new = out["cache"]
             flat = [out["logits"]] + ([out["image_idx"]] if vision else [])
@@ -291,12 +312,7 @@ def model_graph(
         base["full_batch_size"] = full_batch_size
     for heads in set(cfg.kv_heads) if folded else ():
         base[folded_rows(cfg, heads)] = (full_batch_size or batch_size) * heads
-    if vision:
-        specs = tuple(
-            {"name": f"prefill_{b}", "symbols": {**base, "vision_size": b}} for b in budgets
-        )
-    else:
-        specs = ({"name": phase, "symbols": base},)
+    specs = _specializations(phase, base, budgets if vision else (), ccls)
     return GraphSpec(
         name=phase,
         kind=phase,
@@ -311,6 +327,7 @@ def model_graph(
             "sliding_ring": sliding_ring,
             "full_batch_size": full_batch_size,
             "folded_cache": folded,
+            "comp_ctx_lengths": list(ccls),
             "layer_functions": sorted(set(kinds)),
         },
         inputs=ids + cache_in,
@@ -327,6 +344,38 @@ def model_graph(
         # a layer's cache is read by that layer only (with continuous batching too: each
         # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
         lazy=tuple(t.name for t in cache_in),
+        constraints=(f"{CCL} <= {ctx_len}", f"{CCL} >= 1") if ccls else (),
+    )
+
+
+def check_ccls(ccls, ctx_len, seq_len, phase):
+    """Compute context lengths as a sorted tuple of distinct ints in [seq_len, ctx_len] (a
+    prefill chunk of seq_len tokens starting at 0 needs K ≥ seq_len), raising GraphError
+    naming the first bad value."""
+    ccls = tuple(ccls or ())
+    for k in ccls:
+        if isinstance(k, bool) or not isinstance(k, int) or not seq_len <= k <= ctx_len:
+            raise GraphError(
+                f"{phase} compute context length {k!r}: expected an int in "
+                f"[seq_len={seq_len}, ctx_len={ctx_len}]"
+            )
+    if list(ccls) != sorted(set(ccls)):
+        raise GraphError(f"{phase} compute context lengths {list(ccls)}: expected increasing")
+    return ccls
+
+
+def _specializations(phase, base, budgets, ccls):
+    """One specialization per vision budget (prefill with vision; else one) × per compute
+    context length (none: the graph's one shape): [{"name", "symbols"}]."""
+    per_budget = (
+        [(f"prefill_{b}", {**base, "vision_size": b}) for b in budgets]
+        if budgets
+        else [(phase, base)]
+    )
+    if not ccls:
+        return tuple({"name": n, "symbols": s} for n, s in per_budget)
+    return tuple(
+        {"name": f"{n}_ccl{k}", "symbols": {**s, CCL: k}} for k in ccls for n, s in per_budget
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import onnx
 import onnx_ir as ir
 from jax import export as jax_export
 from jax2onnx import to_onnx
@@ -192,12 +193,32 @@ def _fast_numpy_tensors():
         ir.tensor = old
 
 
+def _symbols(spec):
+    """{symbol: its dimension} for the symbols the trace leaves symbolic, made in one scope
+    with the spec's constraints (a plain string symbol knows none: "comparison 'n' <= '64' is
+    inconclusive" at a slice to it); {} without constraints (jax2onnx makes them)."""
+    if not spec.constraints:
+        return {}
+    names = sorted(
+        {d for t in spec.inputs for d in t.shape if isinstance(d, str)} - set(spec.static)
+    )
+    dims = jax_export.symbolic_shape(",".join(names), constraints=spec.constraints)
+    return dict(zip(names, dims, strict=True))
+
+
+def trace_dtype(dtype):
+    """The dtype an input is traced in: int64 as int32 (the trace runs without x64; an int64
+    input is relabelled afterwards, `_label_symbols`)."""
+    return "int32" if dtype == "int64" else dtype
+
+
 def trace(spec, tensors):
     """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
     first = spec.specializations[0]["symbols"]
-    bound = {k: v for k, v in first.items() if k in spec.static}
+    bound = {k: v for k, v in first.items() if k in spec.static} | _symbols(spec)
     args = [
-        jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), t.dtype) for t in spec.inputs
+        jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), trace_dtype(t.dtype))
+        for t in spec.inputs
     ]
     args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
     _load_jax_plugins()
@@ -218,18 +239,22 @@ def trace(spec, tensors):
             input_names=[t.name for t in spec.inputs] + list(spec.weights),
             output_names=[t.name for t in spec.outputs],
         )
-    if spec.static:
+    if spec.static or any(t.dtype == "int64" for t in spec.inputs):
         _label_symbols(model, spec)
     return model
 
 
 def _label_symbols(model, spec):
-    """Give a statically traced graph's I/O the symbols its specialization binds."""
+    """Give a statically traced graph's I/O the symbols its specialization binds, and an int64
+    input (traced as int32, `trace_dtype`; read for its shape only) its declared type."""
     declared = {t.name: t.shape for t in spec.inputs + spec.outputs}
+    int64 = {t.name for t in spec.inputs if t.dtype == "int64"}
     for value in list(model.graph.input) + list(model.graph.output):
         shape = declared.get(value.name)
         if shape is None:
             continue
+        if value.name in int64:
+            value.type.tensor_type.elem_type = onnx.TensorProto.INT64
         for dim, want in zip(value.type.tensor_type.shape.dim, shape, strict=True):
             if isinstance(want, str):
                 dim.Clear()

@@ -115,18 +115,29 @@ def _folded_write(write, kv, k, v):
     return (stored if rows is None else tuple(fold(x) for x in stored)), attended
 
 
-def _linear_write(positions, rows, kv, k, v):
+def first_slots(x, key_len, axis):
+    """x cut to its first `key_len` slots along `axis` (None: x whole). key_len may be an
+    exporter's symbol (a compute context length): `lax.slice_in_dim`, which jax2onnx lowers
+    with a symbolic end, where numpy-style slicing does not trace."""
+    return x if key_len is None else lax.slice_in_dim(x, 0, key_len, axis=axis)
+
+
+def _linear_write(positions, rows, key_len, kv, k, v):
     def write(kv, k, v):
         stored = update(*kv, k, v, positions, rows)
-        return stored, stored
+        return stored, tuple(first_slots(x, key_len, 2) for x in stored)
 
     return _folded_write(write, kv, k, v)
 
 
-def linear_memory(cache, positions, groups, rows=None):
+def linear_memory(cache, positions, groups, rows=None, key_len=None):
     """Slot = position: (cache with the step's positions and run ids recorded, the keys'
     {"kv_pos", "kv_group"} [B, T] (and "cache_rows" with rows), write(kv, k, v) → (stored,
     attended) for `Attention`).
+
+    key_len: None, or a compute context length K ≤ T (an int or an exporter's symbol; every
+    position of the step < K): the cache is written whole, but the step attends to its first K
+    slots only (keys [B, K], attended [.., K, hd]), as QEfficient's `comp_ctx_lengths` reads.
 
     positions, groups: [B, S]; k, v: [B, Hkv, S, hd] written into kv [B, Hkv, T, hd] (or
     batch-folded [1, B·Hkv, T, hd], stored so again: `unfolded`). rows: None, or [B] int
@@ -146,10 +157,10 @@ def linear_memory(cache, positions, groups, rows=None):
         pos = causal_positions(positions, cache_len(cache))
         # jnp.full, not full_like: an export keeps it as an op, not a [B, T] constant
         group = scatter_positions(jnp.full(pos.shape, -1, pos.dtype), groups, positions)
-    keys = {"kv_pos": pos, "kv_group": group}
+    keys = {"kv_pos": first_slots(pos, key_len, 1), "kv_group": first_slots(group, key_len, 1)}
     if rows is not None:
         keys["cache_rows"] = rows
-    return cache, keys, Partial(_linear_write, positions, rows)
+    return cache, keys, Partial(_linear_write, positions, rows, key_len)
 
 
 def _ring_write(ring_pos, positions, slots, rows, kv, k, v):

@@ -86,6 +86,7 @@ def apply_step(
     attention=reference,
     last_only=False,
     return_hidden=False,
+    key_len=None,
 ):
     """One prefill chunk or decode step of the Gemma 4 text decoder (greedy-ready logits).
 
@@ -97,7 +98,10 @@ def apply_step(
     (decode); image_idx: [B, 1] next unread soft token per row; attention: a function with
     `ref.attention.reference`'s signature (dense or blocked); batch_index: None, or [B, 1] int
     (continuous batching, QEfficient's `batch_index`): the cache holds F ≥ B slots and row b
-    reads and writes slot batch_index[b] only (−1: a free row, whose writes are dropped).
+    reads and writes slot batch_index[b] only (−1: a free row, whose writes are dropped);
+    key_len: None, or a compute context length K in [1, ctx_len] above every position of the
+    step (QEfficient's `comp_ctx_lengths`; an exporter may pass a symbol): the cache is written
+    whole and attended over its first K slots (`ref.gemma4.kv_cache.linear_memory`).
     → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
     last_only), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
@@ -113,7 +117,7 @@ def apply_step(
     check_step(config, seen, input_ids, position_ids, vision_embeds, image_idx)
     model = TextModel(config, keep_states=return_hidden).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention,
-        slots,
+        slots, key_len,
     )  # fmt: skip
     if slots is not None:
         made = {n: model["cache"][n] for n in records}
@@ -134,8 +138,27 @@ def apply_step(
 
 # the compiled step; exporters trace `apply_step` (a jit would cache a trace made without them)
 _compiled_step = jax.jit(
-    apply_step, static_argnames=("config", "attention", "last_only", "return_hidden")
+    apply_step,
+    static_argnames=("config", "attention", "last_only", "return_hidden", "key_len"),
 )
+
+
+def check_key_len(key_len, position_ids, ctx_len):
+    """key_len: None, or an int in [1, ctx_len] above every position of the step (concrete
+    positions; a symbol passes: the runner of its specialization keeps the rule)."""
+    if key_len is None or not isinstance(key_len, int):
+        return
+    if isinstance(key_len, bool) or not 1 <= key_len <= ctx_len:
+        raise ValueError(f"key_len={key_len!r}: expected an int in [1, ctx_len={ctx_len}]")
+    if isinstance(position_ids, jax.core.Tracer):
+        return
+    top = int(np.max(np.asarray(position_ids)))
+    if top >= key_len:
+        raise ValueError(
+            f"key_len={key_len} with position {top}: the step would attend to fewer keys than "
+            f"it writes; expected key_len > every position (the least compute context length "
+            f"above the step)"
+        )
 
 
 def check_step_values(config, cache, input_ids, position_ids, vision_embeds, image_idx):
@@ -171,6 +194,7 @@ def step(*args, **kwargs):
     check_batch_index(cache_view(config, cache), ids, a.get("batch_index"))
     check_step_values(config, cache, ids, a["position_ids"], a.get("vision_embeds"),
                       a.get("image_idx"))  # fmt: skip
+    check_key_len(a.get("key_len"), a["position_ids"], cache_len(cache))
     return _compiled_step(*bound.args, **bound.kwargs)
 
 

@@ -235,7 +235,10 @@ class TextModel(nn.Module):
     `ref.gemma4.kv_cache.init_cache`), vision_embeds [B, V, D] or None, image_idx [B, 1] or
     None, attention, slots: None, or [B] int (continuous batching: "k" and "v" hold F ≥ B
     slots and row b reads and writes slot slots[b] only, −1 = none; the cache's other arrays
-    are the step's B rows)) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
+    are the step's B rows), key_len: None, or a compute context length K (an int or an
+    exporter's symbol, above every position of the step): layers that read the cache by
+    position attend to its first K slots only (`linear_memory`); a sliding ring reads its W
+    slots as always) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
     image_idx_output (with vision_embeds), "hidden_states": the merged embeddings then every
     layer's output, each [B, S, D], when keep_states} (the keys `VisionModel` uses where they
     mean the same).
@@ -246,8 +249,9 @@ class TextModel(nn.Module):
 
     @nn.compact
     def __call__(
-        self, input_ids, positions, cache, vision_embeds, image_idx, attention, slots=None
-    ):
+        self, input_ids, positions, cache, vision_embeds, image_idx, attention, slots=None,
+        key_len=None,
+    ):  # fmt: skip
         c = self.config
         # image and video tokens alike: both take soft tokens from vision_embeds, in order
         placeholder = jnp.zeros(input_ids.shape, bool)
@@ -265,7 +269,7 @@ class TextModel(nn.Module):
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
         groups = vision_runs(is_image, positions, cache.get("group"))
-        cache, full, full_write = linear_memory(cache, positions, groups, slots)
+        cache, full, full_write = linear_memory(cache, positions, groups, slots, key_len)
         sliding, sliding_write = full, full_write
         if uses_ring(c, cache):
             window = min(c.sliding_window, cache_len(cache))
