@@ -8,6 +8,11 @@ the QAIC runtime drives the compiled programs (QEfficient's `kv_offload_generate
    budget that holds them (`image_idx` 0), every `*_RetainedState` fed back as the cache;
 3. `decode` one token at a time, every `*_RetainedState` fed back.
 
+A graph exported with compute context lengths (`--comp-ctx-lengths-prefill/-decode`) is fed,
+at each prefill chunk and decode step, `comp_ctx_lengths` of the least length above every
+position of that step (`ccl_for`): over the rows that hold a request only, so a finished
+slot's old positions never keep a batch on a longer one (QEfficient's runner takes them).
+
 Nothing but the folder is needed: manifest.json, the graphs, config.json and the hard-linked
 shards. Chunks never split an image run (its first tokens attend to its last ones), so a run
 longer than the compiled `seq_len` is refused, naming the `seq_len` it needs.
@@ -39,6 +44,17 @@ class Request:
     images: list
     max_new_tokens: int
     arrival: int = 0
+
+
+def ccl_for(ccls, position_ids):
+    """The least compute context length above every valid position (≥ 0) of a step, from the
+    increasing `ccls` (the last is ctx_len); the least one for a step with none."""
+    valid = np.asarray(position_ids)[np.asarray(position_ids) >= 0]
+    top = int(valid.max()) if valid.size else -1
+    above = [k for k in ccls if k > top]
+    if not above:
+        raise RunError(f"position {top}: no compute context length above it in {list(ccls)}")
+    return above[0]
 
 
 def _slot_column(slots, rows):
@@ -91,6 +107,9 @@ class Runner:
         self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
         self.budgets = sorted(o["budgets"])
         self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
+        # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
+        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in ("prefill", "decode")}
+        self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
 
     def generate(self, prompts, images=(), *, max_new_tokens, log=None):
         """Greedy tokens [len(prompts), max_new_tokens].
@@ -337,6 +356,10 @@ class Runner:
         return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
 
     def _run(self, kind, feed):
+        if self.ccls.get(kind):
+            k = ccl_for(self.ccls[kind], feed["position_ids"])
+            feed = {**feed, "comp_ctx_lengths": np.zeros(k, np.int64)}
+            self.ccl_steps.append((kind, k))
         session = self.sessions[kind]
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(None, feed), strict=True))
