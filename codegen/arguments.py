@@ -8,7 +8,8 @@ from ref.blocking import names as blocking_names
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 
 
-def budgets(text):
+def int_list(text):
+    """Integers from comma-separated text (vision budgets, compute context lengths)."""
     try:
         return tuple(int(b) for b in text.split(",") if b)
     except ValueError:

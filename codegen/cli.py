@@ -41,7 +41,7 @@ def parser():
     e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     e.add_argument(
         "--budgets",
-        type=arguments.budgets,
+        type=arguments.int_list,
         help="vision soft-token budgets, one specialization each, from "
         f"{','.join(map(str, BUDGETS))} (default {','.join(map(str, DEFAULT_BUDGETS))}; "
         "empty: no vision graph)",
@@ -83,6 +83,16 @@ def parser():
         help="continuous batching (QEfficient's): the KV cache holds N request slots, prefill "
         "and decode take batch_index, decode runs over all N slots",
     )
+    for phase in ("prefill", "decode"):
+        e.add_argument(
+            f"--comp-ctx-lengths-{phase}",
+            type=arguments.int_list,
+            metavar="L1,L2,...",
+            help=f"compute context lengths of the {phase} graph (QEfficient's CCL): it takes "
+            "comp_ctx_lengths [L] (int64, only its length read) and attends to the first L "
+            "cache slots, one specialization per L; ctx_len is appended when missing, and "
+            "run/serve feed each step the least L above its positions",
+        )
     e.add_argument(
         "--sliding-ring",
         action=argparse.BooleanOptionalAction,

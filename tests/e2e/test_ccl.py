@@ -1,0 +1,225 @@
+"""Compute context lengths (QEfficient's CCL, `--comp-ctx-lengths-prefill/-decode`): one
+prefill and one decode graph whose `comp_ctx_lengths` input's length K cuts the keys each step
+attends to to the first K cache slots, a specialization per K. `run` and `serve` feed each step
+the least K above its positions; tokens equal transformers' `generate` across several K
+boundaries, and a graph at K provably reads no cache slot at or past K."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from codegen.__main__ import main
+from codegen.export import ExportError, ExportOptions, export
+from codegen.graphs import GraphError
+from codegen.runtime import Request, RunError, Runner, ccl_for
+from codegen.verify import verify
+from tests.hf_vision import patches_for
+from tests.text_oracle import hf_generate, hf_model, hf_request, prompt, text_config
+from tests.util import examples
+
+MARGIN = 1e-4
+CTX, SEQ = 96, 12
+PREFILL, DECODE = (24, 48), (24, 36, 48, 72)  # ctx_len 96 is appended to both
+OPTIONS = dict(budgets=(70,), seq_len=SEQ, ctx_len=CTX, hash_shards=False)
+FIXTURES = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.fixture(scope="module")
+def hf_saved(tmp_path_factory):
+    """(transformers model, its checkpoint folder): a dense VLM with per-layer embeddings, KV
+    sharing and a sliding window of 5."""
+    layers = ["sliding_attention", "full_attention"] * 2
+    hf = hf_model(text_config(moe=False, layer_types=layers, shared=2, ple=8, window=5), 23)
+    folder = tmp_path_factory.mktemp("ccl-model")
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["ring", "no-ring"])
+def exported(hf_saved, tmp_path_factory, request):
+    """(transformers model, export folder) with CCL lists on both phases and two rows; sliding
+    layers in a ring (read whole: the ring holds the window) or at ctx_len slots (cut like
+    full layers). The export verifies every specialization in onnxruntime as it writes."""
+    hf, folder = hf_saved
+    out = tmp_path_factory.mktemp("ccl-export") / "out"
+    export(
+        ExportOptions(
+            out=out,
+            model=folder,
+            batch_size=2,
+            sliding_ring=request.param,
+            comp_ctx_lengths_prefill=PREFILL,
+            comp_ctx_lengths_decode=DECODE,
+            **OPTIONS,
+        ),
+        log=print,
+    )
+    return hf, out
+
+
+@settings(max_examples=examples(2), suppress_health_check=FIXTURES, deadline=None)
+@given(
+    lengths=st.lists(st.integers(4, 30), min_size=2, max_size=2),
+    grids=st.lists(st.sampled_from([(3, 3), (6, 6)]), max_size=1),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_generate_crosses_ccl_boundaries_with_transformers_tokens(exported, lengths, grids, seed):
+    """Two rows of different lengths decode 40 tokens through at least three decode CCLs
+    (crossing two boundaries or more); every step gets the least K above its positions and the
+    tokens are transformers'."""
+    hf, out = exported
+    rng = np.random.default_rng(seed)
+    new = 40
+    rows, images, want = [], [], []
+    for i, length in enumerate(lengths):
+        row_grids = grids if i == 0 else []
+        ids, patches, tokens, gap = hf_request(hf, rng, length, row_grids, new)
+        assume(gap > MARGIN)
+        rows.append(ids)
+        images += list(zip(patches, row_grids, strict=True))
+        want.append(tokens)
+    runner = Runner(out, check_shards=False)
+    got = runner.generate(rows, images, max_new_tokens=new)
+    for i, w in enumerate(want):
+        np.testing.assert_array_equal(got[i], w, err_msg=f"row {i}: {runner.ccl_steps}")
+    decoded = [k for kind, k in runner.ccl_steps if kind == "decode"]
+    assert len(set(decoded)) >= 3, runner.ccl_steps
+    assert decoded == sorted(decoded)  # one row set: positions only grow
+    top = max(map(len, rows)) + new - 2  # the last decode step's position
+    assert decoded[-1] == ccl_for((*DECODE, CTX), [top])
+
+
+def test_a_graph_reads_no_slot_at_or_past_its_ccl(exported):
+    """Decode at K = 36 with NaN in every cache slot ≥ K: the logits are finite and equal the
+    same step with zeros there. The same NaN cache at K = 72 (slots 36… attended, masked as
+    empty) gives NaN: what the cut saves is real reading, not a mask."""
+    _, out = exported
+    session = ort.InferenceSession(str(out / "decode.onnx"))
+    rng = np.random.default_rng(3)
+    feed = {"input_ids": np.array([[9], [10]], np.int32), "position_ids": np.array([[30], [35]])}
+    feed["position_ids"] = feed["position_ids"].astype(np.int32)
+    nan_feed, zero_feed = dict(feed), dict(feed)
+    for i in session.get_inputs():
+        if i.name.startswith("past_"):
+            shape = [{"batch_size": 2, "ctx_len": CTX}.get(d, d) for d in i.shape]
+            x = rng.standard_normal(shape).astype(np.float32)
+            full = shape[2] == CTX  # a ring's slots are positions mod 5: always read
+            zero_feed[i.name], nan_feed[i.name] = x.copy(), x.copy()
+            if full:
+                zero_feed[i.name][:, :, 36:] = 0
+                nan_feed[i.name][:, :, 36:] = np.nan
+
+    def logits(f, k):
+        return session.run(["logits"], {**f, "comp_ctx_lengths": np.zeros(k, np.int64)})[0]
+
+    cut = logits(nan_feed, 36)
+    assert np.isfinite(cut).all()
+    np.testing.assert_array_equal(cut, logits(zero_feed, 36))
+    assert np.isnan(logits(nan_feed, 72)).all()
+
+
+def test_specializations_manifest_and_verify_cover_every_ccl(exported):
+    """specializations.json has one entry per K (× budget for prefill) with the symbol
+    comp_ctx_lengths; the input is int64 [comp_ctx_lengths]; verify checks each of them."""
+    _, out = exported
+    for phase, ccls in (("prefill", (*PREFILL, CTX)), ("decode", (*DECODE, CTX))):
+        specs = json.loads((out / f"{phase}.specializations.json").read_text())["specializations"]
+        assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == [str(k) for k in ccls]
+        assert all(s["name"].endswith(f"_ccl{k}") for s, k in zip(specs, ccls, strict=True))
+    manifest = json.loads((out / "manifest.json").read_text())
+    graphs = {g["kind"]: g for g in manifest["graphs"]}
+    assert graphs["decode"]["options"]["comp_ctx_lengths"] == [*DECODE, CTX]
+    ccl = next(t for t in graphs["decode"]["inputs"] if t["name"] == "comp_ctx_lengths")
+    assert (ccl["dtype"], ccl["shape"]) == ("int64", ["comp_ctx_lengths"])
+    rows = verify(out, seed=2, check_shards=False)
+    checked = {r[1] for r in rows}
+    assert {f"decode_ccl{k}" for k in (*DECODE, CTX)} <= checked
+    assert {f"prefill_70_ccl{k}" for k in (*PREFILL, CTX)} <= checked
+    assert all(r[-1] for r in rows), rows
+
+
+@pytest.fixture(scope="module")
+def served(hf_saved, tmp_path_factory):
+    """(transformers model, Runner) over a continuous-batching CCL export of `hf_saved`."""
+    hf, folder = hf_saved
+    out = tmp_path_factory.mktemp("ccl-cb") / "out"
+    options = dict(batch_size=1, full_batch_size=2, comp_ctx_lengths_decode=DECODE, **OPTIONS)
+    export(ExportOptions(out=out, model=folder, verify=False, **options), log=print)
+    return hf, Runner(out, check_shards=False)
+
+
+def test_serve_follows_the_occupied_slots_only(served):
+    """A long request leaves; a short one that joined later keeps decoding: its steps go back
+    to the least K above its own positions (QEfficient's runner keeps the finished slot's
+    positions in its max). Both get transformers' tokens."""
+    hf, runner = served
+    rng = np.random.default_rng(11)
+    want, requests = [], []
+    for length, new, arrival in ((28, 26, 0), (4, 34, 6)):
+        ids, patches, tokens, gap = hf_request(hf, rng, length, [], new)
+        assert gap > MARGIN
+        requests.append(Request(ids, [], new, arrival))
+        want.append(tokens)
+    runner.ccl_steps.clear()
+    got, timeline = runner.serve(requests)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg="\n".join(timeline))
+    decoded = [k for kind, k in runner.ccl_steps if kind == "decode"]
+    assert 72 in decoded and decoded[-1] < 72, decoded  # down once the long request left
+    assert not runner.ccls["prefill"]  # a phase given no list takes no comp_ctx_lengths
+
+
+def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
+    """`export --comp-ctx-lengths-decode` then `run`: transformers' tokens."""
+    hf, folder = hf_saved
+    out = tmp_path / "out"
+    args = ["export", "--model", str(folder), "--out", str(out), "--seq-len", "12",
+            "--ctx-len", "96", "--budgets", "70", "--comp-ctx-lengths-decode", "16,32",
+            "--no-verify"]  # fmt: skip
+    assert main(args) == 0
+    rng = np.random.default_rng(5)
+    patches = patches_for([(6, 6)], rng, 12)
+    ids = prompt(rng, 9, [4], 96)
+    want, _ = hf_generate(hf, ids, patches, [(6, 6)], 30)
+    np.save(tmp_path / "p.npy", patches[0])
+    run = ["run", str(out), "--prompt-ids", ",".join(map(str, ids)), "--patches",
+           str(tmp_path / "p.npy"), "--grid", "6x6", "--max-new-tokens", "30"]  # fmt: skip
+    assert main(run) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed.endswith(",".join(str(int(t)) for t in want))
+    specs = json.loads((out / "decode.specializations.json").read_text())["specializations"]
+    assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == ["16", "32", "96"]
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        (dict(comp_ctx_lengths_decode=(0, 32)), ExportError, r"--comp-ctx-lengths-decode 0"),
+        (dict(comp_ctx_lengths_decode=(128,)), ExportError, r"ctx_len=96"),
+        (dict(comp_ctx_lengths_prefill=(8,)), ExportError, r"seq_len=12"),
+        (
+            dict(comp_ctx_lengths_decode=(48,), decode_blocking=("kv", {"num_kv_blocks": 2})),
+            GraphError,
+            r"decode compute context lengths with decode blocking 'kv'",
+        ),
+    ],
+)
+def test_bad_lists_are_refused_by_name(hf_saved, tmp_path, options, error, match):
+    _, folder = hf_saved
+    out = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        export(ExportOptions(out=out, model=folder, **{**OPTIONS, **options}), log=print)
+    assert not out.exists()
+
+
+def test_ccl_for_is_the_least_length_above_the_valid_positions():
+    assert ccl_for((24, 48, 96), [[23, -1]]) == 24
+    assert ccl_for((24, 48, 96), [[24], [-1]]) == 48
+    assert ccl_for((24, 48, 96), [[-1, -1]]) == 24
+    with pytest.raises(RunError, match="position 96"):
+        ccl_for((24, 48, 96), [[96]])
