@@ -123,6 +123,32 @@ def test_a_graph_reads_no_slot_at_or_past_its_ccl(exported):
     assert np.isnan(logits(nan_feed, 72)).all()
 
 
+def test_the_last_position_a_ccl_holds_is_k_minus_1(exported):
+    """A decode step at position K − 1 (the last slot K holds) gives the logits of the same
+    step at K = ctx_len; at position K the graph silently drops the step's own key (what the
+    runner's rule, K above every position, prevents): the logits move."""
+    _, out = exported
+    session = ort.InferenceSession(str(out / "decode.onnx"))
+    rng = np.random.default_rng(4)
+    caches = {
+        i.name: rng.standard_normal([{"batch_size": 2, "ctx_len": CTX}.get(d, d) for d in i.shape])
+        for i in session.get_inputs()
+        if i.name.startswith("past_")
+    }
+
+    def logits(position, k):
+        feed = {n: x.astype(np.float32) for n, x in caches.items()}
+        feed.update(
+            input_ids=np.array([[9], [10]], np.int32),
+            position_ids=np.full((2, 1), position, np.int32),
+            comp_ctx_lengths=np.zeros(k, np.int64),
+        )
+        return session.run(["logits"], feed)[0]
+
+    np.testing.assert_allclose(logits(35, 36), logits(35, CTX), rtol=0, atol=1e-5)
+    assert np.abs(logits(36, 36) - logits(36, CTX)).max() > 1e-3
+
+
 def test_specializations_manifest_and_verify_cover_every_ccl(exported):
     """specializations.json has one entry per K (× budget for prefill) with the symbol
     comp_ctx_lengths; the input is int64 [comp_ctx_lengths]; verify checks each of them."""

@@ -485,3 +485,57 @@ def test_blocking_config_gives_its_own_options_to_its_phase():
     for prefill in (True, False):  # every mode is exact in either phase
         attention = attention_for(config, prefill=prefill, batch=1, queries=5, ctx_len=5)
         np.testing.assert_allclose(attention(q, k, v, pos, pos), reference(q, k, v, pos, pos))
+
+
+@settings(max_examples=examples(2))
+@given(text_setups(), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_a_step_at_a_compute_context_length_equals_the_whole_cache_float64(
+    text, seed, ring, slots_only
+):
+    """Prefill in chunks then decode, each step attending to the first K cache slots (K the
+    least of a list above the step's positions, K − 1 reached exactly) with the cache's other
+    slots random: every logit equals the same steps over the whole cache, and the caches written
+    are equal (written whole), in float64."""
+    model = hf_model(text, seed % 1000)
+    tree = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a, jnp.float64), tree_of(model.state_dict())
+    )
+    config = TextConfig.from_hf(model.config.to_dict())
+    lm, head = tree["model"]["language_model"], tree["lm_head"]["weight"]
+    rng = np.random.default_rng(seed)
+    ids = prompt(rng, 7, [1], 96)
+    ctx, ccls = 32, (len(ids) + 1, len(ids) + 3, 32)
+    empty = init_cache(config, 1, ctx, jnp.float64, ring=ring, slots_only=slots_only)
+    noise = {n: {i: jnp.asarray(rng.standard_normal(x.shape)) for i, x in empty[n].items()}
+             for n in ("k", "v")}  # fmt: skip
+    vision = jnp.asarray(rng.standard_normal((1, 4, 32)))
+    bounds = chunk_bounds(len(ids), image_runs(ids, IMAGE), 5)
+
+    def run(cut):
+        cache, idx, logits = dict(empty, **noise), jnp.zeros((1, 1), jnp.int32), []
+        steps = [chunk_arrays([ids], [bounds], k, 1, 5) for k in range(len(bounds))]
+        steps += [(np.array([[9 + n]], np.int32), np.array([[len(ids) + n]], np.int32))
+                  for n in range(5)]  # fmt: skip
+        for chunk, pos in steps:
+            key_len = next(k for k in ccls if k > pos.max()) if cut else None
+            soft = (vision, idx) if chunk.shape[1] > 1 else (None, None)
+            out = step(lm, head, cache, chunk, pos, *soft, config=config, key_len=key_len)
+            cache, idx = out["cache"], out.get("image_idx", idx)
+            logits.append(out["logits"][0, pos[0] >= 0])
+        return jnp.concatenate(logits), cache
+
+    cut, whole = run(True), run(False)
+    np.testing.assert_allclose(np.asarray(cut[0]), np.asarray(whole[0]), rtol=1e-10, atol=1e-12)
+    for a, b in zip(jax.tree_util.tree_leaves(cut[1]), jax.tree_util.tree_leaves(whole[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "key_len, match", [(0, r"key_len=0: expected an int in \[1, ctx_len=8\]"), (9, "key_len=9"),
+                       (3, "key_len=3 with position 3"), (True, "key_len=True")],
+)  # fmt: skip
+def test_step_refuses_a_key_len_at_or_below_its_positions(key_len, match):
+    config = _tiny()
+    with pytest.raises(ValueError, match=match):
+        step({}, None, init_cache(config, 1, 8), jnp.zeros((1, 2), jnp.int32),
+             jnp.array([[2, 3]], jnp.int32), config=config, key_len=key_len)  # fmt: skip
