@@ -5,7 +5,6 @@ the least K above its positions; tokens equal transformers' `generate` across se
 boundaries, and a graph at K provably reads no cache slot at or past K."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -193,7 +192,7 @@ def test_serve_follows_the_occupied_slots_only(served):
         want.append(tokens)
     runner.ccl_steps.clear()
     got, timeline = runner.serve(requests)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w, err_msg="\n".join(timeline))
     decoded = [k for kind, k in runner.ccl_steps if kind == "decode"]
     assert 72 in decoded and decoded[-1] < 72, decoded  # down once the long request left

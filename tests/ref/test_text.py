@@ -526,7 +526,8 @@ def test_a_step_at_a_compute_context_length_equals_the_whole_cache_float64(
 
     cut, whole = run(True), run(False)
     np.testing.assert_allclose(np.asarray(cut[0]), np.asarray(whole[0]), rtol=1e-10, atol=1e-12)
-    for a, b in zip(jax.tree_util.tree_leaves(cut[1]), jax.tree_util.tree_leaves(whole[1])):
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(cut[1]), leaves(whole[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
