@@ -12,6 +12,7 @@ of each phase and routes each decoder layer through the ONNX function of its kin
 from functools import partial
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -211,19 +212,16 @@ def model_graph(
         queries=seq_len,
         kv_len=min(ctx_len, window + seq_len) if sliding_ring else ctx_len,
     )
+    multiple = 1 if config is None else config.kv_multiple(jax.local_device_count())
+    ccls = check_ccls(comp_ctx_lengths, ctx_len, seq_len, phase, multiple)
     if config is not None:
-        kv_lens = {ctx_len} | ({window + seq_len} if sliding_ring else set())
+        kv_lens = {ctx_len, *ccls} | ({window + seq_len} if sliding_ring else set())
         try:
             for kv_heads in sorted(set(cfg.kv_heads)):
                 for kv_len in sorted(kv_lens):
                     config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
         except ValueError as e:
             raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
-    if config is not None and comp_ctx_lengths:
-        raise GraphError(
-            f"{phase} compute context lengths with {phase} blocking {mode!r}: blocked attention "
-            "over a symbolic key length is not built; export that phase with dense attention"
-        )
     folded = folded_cache or (config is not None and config.batch_fold)
     prefix, names = model_weights(cfg, tensor_shapes)
     kernel = reference if config is None else partial(blocked, config=config)
@@ -240,7 +238,6 @@ def model_graph(
         )
     if full_batch_size is not None:
         ids += (Tensor("batch_index", ("batch_size", 1), "int32"),)
-    ccls = check_ccls(comp_ctx_lengths, ctx_len, seq_len, phase)
     if ccls:
         ids += (Tensor(CCL, (CCL,), "int64"),)
     rows = "batch_size" if full_batch_size is None else "full_batch_size"
@@ -344,20 +341,32 @@ def model_graph(
         # a layer's cache is read by that layer only (with continuous batching too: each
         # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
         lazy=tuple(t.name for t in cache_in),
-        constraints=(f"{CCL} <= {ctx_len}", f"{CCL} >= 1") if ccls else (),
+        constraints=_ccl_constraints(ctx_len, multiple) if ccls else (),
     )
 
 
-def check_ccls(ccls, ctx_len, seq_len, phase):
+def _ccl_constraints(ctx_len, multiple):
+    """What the trace may assume of the symbol comp_ctx_lengths (`check_ccls` holds them)."""
+    out = (f"{CCL} <= {ctx_len}", f"{CCL} >= {multiple}")
+    return out + ((f"mod({CCL}, {multiple}) == 0",) if multiple > 1 else ())
+
+
+def check_ccls(ccls, ctx_len, seq_len, phase, multiple=1):
     """Compute context lengths as a sorted tuple of distinct ints in [seq_len, ctx_len] (a
-    prefill chunk of seq_len tokens starting at 0 needs K ≥ seq_len), raising GraphError
-    naming the first bad value."""
+    prefill chunk of seq_len tokens starting at 0 needs K ≥ seq_len), each a multiple of
+    `multiple` (the phase's blocking cuts K into exact KV blocks and pieces:
+    `BlockingConfig.kv_multiple`), raising GraphError naming the first bad value."""
     ccls = tuple(ccls or ())
     for k in ccls:
         if isinstance(k, bool) or not isinstance(k, int) or not seq_len <= k <= ctx_len:
             raise GraphError(
                 f"{phase} compute context length {k!r}: expected an int in "
                 f"[seq_len={seq_len}, ctx_len={ctx_len}]"
+            )
+        if k % multiple:
+            raise GraphError(
+                f"{phase} compute context length {k}: {phase} blocking cuts it into exact KV "
+                f"blocks (× head-parallel pieces) of {multiple}; expected a multiple of {multiple}"
             )
     if list(ccls) != sorted(set(ccls)):
         raise GraphError(f"{phase} compute context lengths {list(ccls)}: expected increasing")

@@ -219,7 +219,13 @@ class Plan:
 
 def ranges(n, blocks, length=None):
     """Blocks of `ceil(length / blocks)` over `[0, length)` clipped to `[0, n)`; the last takes
-    the remainder and a block that would start at or past `n` is dropped."""
+    the remainder and a block that would start at or past `n` is dropped. A symbolic n (an
+    exporter's compute context length, which `blocks` divides: its constraint) gives `blocks`
+    exact blocks of n // blocks, bounds without comparisons (a symbol's are inconclusive)."""
+    if not isinstance(n, int):
+        if length is not None and length is not n:
+            raise ValueError(f"a symbolic length {n} is blocked over itself, not {length}")
+        return tuple((i * (n // blocks), (i + 1) * (n // blocks)) for i in range(blocks))
     length = n if length is None else length
     size = -(-length // blocks)
     return tuple((i * size, min((i + 1) * size, n)) for i in range(blocks) if i * size < n)
@@ -347,15 +353,27 @@ class BlockingConfig:
         if heads % kv_heads:
             raise ValueError(f"query heads {heads} must be a multiple of kv heads {kv_heads}")
         group = heads // kv_heads
+        symbolic = not isinstance(cache_len, int)  # a compute context length: exact blocks
+        if symbolic and self.ctx_len is not None:
+            raise ValueError(
+                f"ctx_len={self.ctx_len} sizes KV blocks from a fixed length; a symbolic key "
+                f"length ({cache_len}) is cut into exact blocks of its own"
+            )
         ctx_len = cache_len if self.ctx_len is None else self.ctx_len
-        if ctx_len < cache_len:
+        if not symbolic and ctx_len < cache_len:
             raise ValueError(f"ctx_len={ctx_len} is shorter than the cache ({cache_len} slots)")
         if self.batch_fold:
             batch, heads, kv_heads = 1, batch * heads, batch * kv_heads
         axes = self.axes
         b_blocks = self._count(batch, "num_batch_blocks", "batch rows") if "b" in axes else 1
         q_blocks = self._count(queries, self._count_option("q"), "queries") if "q" in axes else 1
-        kv_blocks = self._count(ctx_len, "num_kv_blocks", "ctx_len slots") if "kv" in axes else 1
+        kv_blocks = 1
+        if "kv" in axes:
+            kv_blocks = (
+                self.num_kv_blocks
+                if symbolic
+                else self._count(ctx_len, "num_kv_blocks", "ctx_len slots")
+            )
         split = 1
         if self.headpar_split is not None:
             split = self.headpar_split or self.num_cores or num_devices
@@ -370,6 +388,16 @@ class BlockingConfig:
             batch_fold=self.batch_fold,
             ordered=self.ordered,
         )
+
+    def kv_multiple(self, num_devices=1):
+        """What a symbolic key length must be a multiple of to cut into this mode's exact KV
+        blocks (`ranges`), head-parallel pieces included: 1 when it blocks no cache."""
+        if "kv" not in self.axes:
+            return 1
+        split = 1
+        if self.headpar_split is not None:
+            split = self.headpar_split or self.num_cores or num_devices
+        return self.num_kv_blocks * split
 
     def _count(self, n, option, what):
         value = getattr(self, option)

@@ -135,6 +135,17 @@ def update(cache_k, cache_v, k_new, v_new, slots, rows=None):
     return scatter(cache_k, k_new, slots, rows), scatter(cache_v, v_new, slots, rows)
 
 
+def span(x, start, end, axis):
+    """x[start:end] along `axis`. Bounds may be an exporter's symbols (a compute context
+    length's blocks): then `lax.slice_in_dim`, which jax2onnx lowers with symbolic bounds where
+    numpy-style slicing does not trace; int bounds slice as numpy does."""
+    if isinstance(start, int) and isinstance(end, int):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, end)
+        return x[tuple(index)]
+    return lax.slice_in_dim(x, start, end, axis=axis)
+
+
 def causal_positions(q_pos, cache_len):
     """Positions of a linear cache (slot t holds position t) as seen by a call whose queries sit
     at q_pos [B, S]: slot t is filled iff t ≤ the row's largest position → [B, T] (−1 = empty)."""

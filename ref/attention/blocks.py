@@ -19,7 +19,7 @@ from ref.attention.dense import (
 )
 from ref.blocking import BlockingConfig
 from ref.cache import fold as fold_cache
-from ref.cache import take_rows
+from ref.cache import span, take_rows
 from ref.sharding import auto_axes
 
 
@@ -77,7 +77,10 @@ def _query_block(q, tiles, masks, prev, *, plan, scale, softcap):
         if plan.parallel:
             cuts = _pieces(t1 - t0, plan.split)
             pieces = (
-                [step(None, q, kt[..., a:c], vb[:, :, a:c], bias[..., a:c]) for a, c in cuts]
+                [
+                    step(None, q, span(kt, a, c, -1), span(vb, a, c, 2), span(bias, a, c, -1))
+                    for a, c in cuts
+                ]
                 if len(cuts) > 1
                 else [step(None, q, kt, vb, bias)]
             )
@@ -112,8 +115,8 @@ def _keys(k, v, cache_rows, *, rows, heads, kv, dtype):
 
     def cut(x, t0, t1):
         if cache_rows is None:
-            return x[b0:b1, kv0:kv1, t0:t1]
-        return take_rows(x[:, kv0:kv1, t0:t1], cache_rows[b0:b1])
+            return span(x[b0:b1, kv0:kv1], t0, t1, 2)
+        return take_rows(span(x[:, kv0:kv1], t0, t1, 2), cache_rows[b0:b1])
 
     blocks = [(cut(k, t0, t1), cut(v, t0, t1)) for t0, t1 in kv]
     return [(jnp.swapaxes(kb.astype(dtype), -1, -2), vb.astype(dtype)) for kb, vb in blocks]
@@ -135,9 +138,9 @@ def _kv_sides(kv_pos, kv_group, *, rows, kv):
     """Per KV block (bounds `kv`), the key side (`_side`) of batch rows (bounds; None: all) of
     kv_pos, kv_group [B, T]; made once per call, read by every query block's masks."""
     r = slice(*rows) if rows else slice(None)
-    groups = [None if kv_group is None else kv_group[r, t0:t1] for t0, t1 in kv]
+    groups = [None if kv_group is None else span(kv_group[r], t0, t1, 1) for t0, t1 in kv]
     cuts = zip(kv, groups, strict=True)
-    return [_side(kv_pos[r, t0:t1], g, keys=True, ndim=5) for (t0, t1), g in cuts]
+    return [_side(span(kv_pos[r], t0, t1, 1), g, keys=True, ndim=5) for (t0, t1), g in cuts]
 
 
 def _tile_masks(q_pos, q_group, kv_sides, *, window, fold):
@@ -165,7 +168,10 @@ def _bias(m):
 
 
 def _pieces(n, split):
-    """`split` near-equal pieces of `[0, n)` (ceil size, last one shorter, none empty)."""
+    """`split` near-equal pieces of `[0, n)` (ceil size, last one shorter, none empty); of a
+    symbolic n (which split divides: `BlockingConfig.kv_multiple`), `split` exact ones."""
+    if not isinstance(n, int):
+        return [(i * (n // split), (i + 1) * (n // split)) for i in range(split)]
     size = -(-n // split)
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 

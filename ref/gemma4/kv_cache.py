@@ -116,9 +116,11 @@ def _folded_write(write, kv, k, v):
 
 
 def first_slots(x, key_len, axis):
-    """x cut to its first `key_len` slots along `axis` (None: x whole). key_len may be an
-    exporter's symbol (a compute context length): `lax.slice_in_dim`, which jax2onnx lowers
-    with a symbolic end, where numpy-style slicing does not trace."""
+    """x cut to its first `key_len` slots along `axis` (None: x whole); key_len may be an
+    exporter's symbol (a compute context length). Always a new array, even at key_len = T
+    (`lax.slice_in_dim`, where numpy-style slicing hands x back): a step's written cache and
+    its attended keys are then two results at every length, as in the graph traced with a
+    symbolic length (verify's layer-by-layer check pairs them by count)."""
     return x if key_len is None else lax.slice_in_dim(x, 0, key_len, axis=axis)
 
 
