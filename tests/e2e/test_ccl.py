@@ -39,11 +39,22 @@ def hf_saved(tmp_path_factory):
     return hf, folder
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["ring", "no-ring"])
+# prefill in query chunks × KV blocks, decode in KV blocks cut in two head-parallel pieces
+# each: a symbolic K is cut into exact blocks (every K a multiple of 3, and of 3 × 2)
+BLOCKED = dict(
+    prefill_blocking=("qkv", {"num_kv_blocks": 3, "prefill_block_chunks": 2}),
+    decode_blocking=("kv_headpar", {"num_kv_blocks": 3, "headpar_split": 2, "skip_kv": True}),
+)
+SETUPS = {"ring": dict(sliding_ring=True), "no-ring": dict(sliding_ring=False),
+          "blocked": dict(sliding_ring=False, **BLOCKED)}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
 def exported(hf_saved, tmp_path_factory, request):
     """(transformers model, export folder) with CCL lists on both phases and two rows; sliding
     layers in a ring (read whole: the ring holds the window) or at ctx_len slots (cut like
-    full layers). The export verifies every specialization in onnxruntime as it writes."""
+    full layers), attention dense or blocked. The export verifies every specialization in
+    onnxruntime as it writes."""
     hf, folder = hf_saved
     out = tmp_path_factory.mktemp("ccl-export") / "out"
     export(
@@ -51,9 +62,9 @@ def exported(hf_saved, tmp_path_factory, request):
             out=out,
             model=folder,
             batch_size=2,
-            sliding_ring=request.param,
             comp_ctx_lengths_prefill=PREFILL,
             comp_ctx_lengths_decode=DECODE,
+            **SETUPS[request.param],
             **OPTIONS,
         ),
         log=print,
@@ -161,7 +172,7 @@ def test_specializations_manifest_and_verify_cover_every_ccl(exported):
     assert graphs["decode"]["options"]["comp_ctx_lengths"] == [*DECODE, CTX]
     ccl = next(t for t in graphs["decode"]["inputs"] if t["name"] == "comp_ctx_lengths")
     assert (ccl["dtype"], ccl["shape"]) == ("int64", ["comp_ctx_lengths"])
-    rows = verify(out, seed=2, check_shards=False)
+    rows = verify(out, seed=2, check_shards=False, layerwise_given=True)
     checked = {r[1] for r in rows}
     assert {f"decode_ccl{k}" for k in (*DECODE, CTX)} <= checked
     assert {f"prefill_70_ccl{k}" for k in (*PREFILL, CTX)} <= checked
@@ -228,9 +239,9 @@ def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
         (dict(comp_ctx_lengths_decode=(128,)), ExportError, r"ctx_len=96"),
         (dict(comp_ctx_lengths_prefill=(8,)), ExportError, r"seq_len=12"),
         (
-            dict(comp_ctx_lengths_decode=(48,), decode_blocking=("kv", {"num_kv_blocks": 2})),
+            dict(comp_ctx_lengths_decode=(24, 40), **BLOCKED),
             GraphError,
-            r"decode compute context lengths with decode blocking 'kv'",
+            r"decode compute context length 40: .* expected a multiple of 6",
         ),
     ],
 )
