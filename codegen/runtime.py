@@ -141,7 +141,7 @@ class Runner:
             caches, token = self._decode(caches, token, position, None)
             tokens.append(token)
             position = position + 1
-            log(f"decode step {n + 2}/{max_new_tokens}")
+            log(f"decode step {n + 2}/{max_new_tokens}{self._ccl_note('decode')}")
         return np.stack(tokens, axis=1)
 
     def serve(self, requests, *, log=None):
@@ -184,7 +184,7 @@ class Runner:
                 caches, last = self._decode(caches, last, pos, np.arange(self.slots))
                 for r, s in slot_of.items():
                     tokens[r].append(int(last[s]))
-                events.append(f"decode slots {sorted(slot_of.values())}")
+                events.append(f"decode slots {sorted(slot_of.values())}{self._ccl_note('decode')}")
             timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
             log(timeline[-1])
             t += 1
@@ -227,7 +227,7 @@ class Runner:
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
-            log(f"prefill chunk {k + 1}/{chunks}")
+            log(f"prefill chunk {k + 1}/{chunks}{self._ccl_note('prefill')}")
         return caches, np.argmax(np.stack(last), axis=-1).astype(np.int32)
 
     def _window(self, streams, offsets, counts):
@@ -354,6 +354,12 @@ class Runner:
         retained = {pair[0] for pair in entry.retained_state}
         shapes = entry.shapes(entry.specializations[0]["name"])
         return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
+
+    def _ccl_note(self, kind):
+        """ ", comp_ctx_lengths K" of the last call of `kind` when it took one, else ""."""
+        if not self.ccls.get(kind):
+            return ""
+        return f", comp_ctx_lengths {next(k for g, k in reversed(self.ccl_steps) if g == kind)}"
 
     def _run(self, kind, feed):
         if self.ccls.get(kind):
