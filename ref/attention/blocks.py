@@ -46,7 +46,10 @@ def _tile(state, q, kt, v, bias, *, scale, softcap):
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     b, hb, rows, t = scores.shape
-    scores = (scores.reshape(b, hb, -1, bias.shape[3], t) + bias).reshape(b, hb, rows, t)
+    # no -1: a symbolic tile length (a compute context length's block) cannot be divided out
+    scores = (scores.reshape(b, hb, rows // bias.shape[3], bias.shape[3], t) + bias).reshape(
+        b, hb, rows, t
+    )
     m_new = jnp.max(scores, axis=-1, keepdims=True)
     if state is not None:
         m_new = jnp.maximum(state[0], m_new)
