@@ -10,12 +10,14 @@ position K − 1 (the most a K holds) with the same caches. The graph is one for
 the fed `comp_ctx_lengths` length differs. Prints a markdown table with each K's step time and
 its ratio to the step at K = ctx_len.
 
-    python benchmarks/ccl_decode.py                       # 31B shapes, K 4096 … 65536
-    python benchmarks/ccl_decode.py --model E4B --decode-blocking kv_headpar:num_kv_blocks=8
+    python benchmarks/ccl_decode.py                       # E4B shapes, K 4096 … 65536
+    python benchmarks/ccl_decode.py --decode-blocking kv_headpar:num_kv_blocks=8,skip_kv=true
+    python benchmarks/ccl_decode.py --model 31B           # ~24 GB peak: its 6 layers in float32
 """
 
 import argparse
 import copy
+import resource
 import statistics
 import sys
 import tempfile
@@ -85,7 +87,7 @@ def step_times(folder, ccls, steps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="31B", choices=sorted(CONFIGS))
+    p.add_argument("--model", default="E4B", choices=sorted(CONFIGS))
     p.add_argument("--layers", type=int, default=6, help="first text layers kept (6)")
     p.add_argument("--ccls", type=int_list, default=(4096, 8192, 16384, 32768))
     p.add_argument("--decode-blocking", type=phase_blocking, default=("none", {}))
@@ -105,7 +107,8 @@ def main():
         times = step_times(out, opts.ccl_lists()["decode"], args.steps)
     mode = args.decode_blocking[0]
     print(f"{args.model} shapes, first {args.layers} layers, decode {mode}, ctx_len {CTX}; "
-          f"export {exported:.1f} s; median of {args.steps} steps per K")  # fmt: skip
+          f"export {exported:.1f} s; median of {args.steps} steps per K; peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.1f} GB")  # fmt: skip
     print("| K | decode step ms | vs K = ctx_len |")
     print("|---|---|---|")
     for k, t in times.items():
