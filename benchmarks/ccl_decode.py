@@ -67,9 +67,7 @@ def step_times(folder, ccls, steps):
     session = open_session(entry, folder, open_checkpoint(folder))
     shapes = entry.shapes(entry.specializations[0]["name"])
     rng = np.random.default_rng(0)
-    feed = {
-        n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items() if "past_" in n
-    }
+    feed = {n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items() if "past_" in n}
     feed["input_ids"] = np.full(shapes["input_ids"], 7, np.int32)
     out = {}
     for k in ccls:

@@ -238,6 +238,28 @@ def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
     assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == ["16", "32", "96"]
 
 
+def test_disaggregated_sides_each_take_their_own_lists(hf_saved, tmp_path):
+    """A --prefill-only export with prefill lengths hands its cache to a --decode-only export
+    with decode lengths (QEfficient's disaggregated CCL: each side's list alone): each side
+    takes its own K, and the tokens are transformers'."""
+    hf, folder = hf_saved
+    sides = {}
+    for phase, lists in (("prefill", {"comp_ctx_lengths_prefill": (24,)}),
+                         ("decode", {"comp_ctx_lengths_decode": (24, 48)})):  # fmt: skip
+        sides[phase] = tmp_path / phase
+        options = dict(OPTIONS, phases=(phase,), verify=False, **lists)
+        export(ExportOptions(out=sides[phase], model=folder, **options), log=print)
+    rng = np.random.default_rng(6)
+    patches = patches_for([(6, 6)], rng, 12)
+    ids = prompt(rng, 14, [4], 96)
+    want, _ = hf_generate(hf, ids, patches, [(6, 6)], 36)
+    runner = Runner(sides["prefill"], decode_folder=sides["decode"], check_shards=False)
+    got = runner.generate([ids], [(patches[0], (6, 6))], max_new_tokens=36)
+    np.testing.assert_array_equal(got[0], want)
+    assert {k for kind, k in runner.ccl_steps if kind == "prefill"} == {24}
+    assert {k for kind, k in runner.ccl_steps if kind == "decode"} == {24, 48, CTX}
+
+
 @pytest.mark.parametrize(
     "options, error, match",
     [
