@@ -374,9 +374,7 @@ class BlockingConfig:
                 if symbolic
                 else self._count(ctx_len, "num_kv_blocks", "ctx_len slots")
             )
-        split = 1
-        if self.headpar_split is not None:
-            split = self.headpar_split or self.num_cores or num_devices
+        split = self._split(num_devices)
         return Plan(
             batch=ranges(batch, b_blocks),
             heads=self._head_blocks(heads, kv_heads, group),
@@ -394,10 +392,14 @@ class BlockingConfig:
         blocks (`ranges`), head-parallel pieces included: 1 when it blocks no cache."""
         if "kv" not in self.axes:
             return 1
-        split = 1
-        if self.headpar_split is not None:
-            split = self.headpar_split or self.num_cores or num_devices
-        return self.num_kv_blocks * split
+        return self.num_kv_blocks * self._split(num_devices)
+
+    def _split(self, num_devices):
+        """Head-parallel pieces per KV block (1 unless headpar_split is set; 0 means
+        num_cores, else the devices)."""
+        if self.headpar_split is None:
+            return 1
+        return self.headpar_split or self.num_cores or num_devices
 
     def _count(self, n, option, what):
         value = getattr(self, option)
