@@ -529,7 +529,7 @@ def test_blocked_over_every_device_of_this_process(opts, vision):
     [
         dict(mode="kv", num_kv_blocks=4, skip_kv=True),
         dict(mode="kv", num_kv_blocks=4, skip_kv=True, ordered=True),
-        dict(mode="kv", num_kv_blocks=2, headpar_split=2, skip_kv=True),
+        dict(mode="kv", num_kv_blocks=2, headpar_split=4, skip_kv=True),
         dict(mode="kv", num_kv_blocks=1, headpar_split=2),
         dict(mode="prefill_online", prefill_block_chunks=2, num_kv_blocks=4, skip_kv=True),
     ],
@@ -815,3 +815,48 @@ def test_prefill_heads_together_equal_the_plans_head_by_head_schedule(case, visi
     apart = np.asarray(_blocked(*args, heads_together=False, **extra))
     assert rel_err(together, apart) <= 1e-12, opts
     assert rel_err(together, want) <= 1e-12, opts
+
+
+SYMBOLIC_MODES = [
+    dict(mode="kv", num_kv_blocks=4),
+    dict(mode="kv", num_kv_blocks=2, headpar_split=4, skip_kv=True),
+    dict(mode="hqkv", head_block_size=2, num_q_blocks=2, num_kv_blocks=4),
+    dict(mode="prefill_qkv", prefill_block_chunks=2, num_kv_blocks=4),
+    dict(mode="kv", num_kv_blocks=4, batch_fold=True),
+]
+
+
+@pytest.mark.parametrize("options", SYMBOLIC_MODES, ids=lambda o: o["mode"])
+@settings(max_examples=examples(2), deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([4, 5]))
+def test_blocked_over_a_symbolic_key_length_equals_reference(options, seed, window):
+    """`blocked` traced once with a symbolic key length K (jax.export, K a multiple of 8: exact
+    blocks and head-parallel pieces) and called at K = 8, 16, 32 equals `reference` on the same
+    keys cut to K (float32, 1e-5; the export runs what an ONNX graph of a CCL runs)."""
+    import jax
+    from jax import export as jax_export
+    from jax import lax
+
+    rng = np.random.default_rng(seed)
+    b, h, hkv, s, d, t = 2, 4, 2, 4, 8, 32
+    q = rng.standard_normal((b, h, s, d), dtype=np.float32)
+    k, v = (rng.standard_normal((b, hkv, t, d), dtype=np.float32) for _ in range(2))
+    q_pos = np.stack([np.arange(s) + 3, np.arange(s) + 1]).astype(np.int32)
+    kv_pos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+
+    def cut(kk, vv, kp, ccl):
+        n = ccl.shape[0]
+        return tuple(lax.slice_in_dim(x, 0, n, axis=a) for x, a in ((kk, 2), (vv, 2), (kp, 1)))
+
+    def fn(qq, kk, vv, qp, kp, ccl):
+        kk, vv, kp = cut(kk, vv, kp, ccl)
+        return blocked(qq, kk, vv, qp, kp, sliding_window=window, **options)
+
+    (n,) = jax_export.symbolic_shape("n", constraints=("n <= 32", "n >= 8", "mod(n, 8) == 0"))
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, q_pos, kv_pos)]
+    exported = jax_export.export(jax.jit(fn))(*shapes, jax.ShapeDtypeStruct((n,), np.int32))
+    for ccl in (8, 16, 32):
+        feed = (q, k, v, q_pos, kv_pos, np.zeros(ccl, np.int32))
+        kk, vv, kp = cut(k, v, kv_pos, feed[-1])
+        want = reference(q, kk, vv, q_pos, kp, sliding_window=window)
+        assert rel_err(exported.call(*feed), want) < 1e-5, (options, ccl)
