@@ -445,6 +445,8 @@ def test_help_documents_every_option(capsys):
         "phases": "--prefill-only",
         "vision_tiles": "--vision-tiles",
         "clip_fp16": "--clip-fp16",
+        "comp_ctx_lengths_prefill": "--comp-ctx-lengths-prefill",
+        "comp_ctx_lengths_decode": "--comp-ctx-lengths-decode",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:
