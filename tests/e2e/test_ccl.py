@@ -104,25 +104,33 @@ def test_generate_crosses_ccl_boundaries_with_transformers_tokens(exported, leng
     assert decoded[-1] == ccl_for((*DECODE, CTX), [top])
 
 
+def _decode_session(out, seed):
+    """(onnxruntime session of the export's decode graph, {cache input: random float32 array}
+    for its 2 rows)."""
+    session = ort.InferenceSession(str(out / "decode.onnx"))
+    rng = np.random.default_rng(seed)
+    symbols = {"batch_size": 2, "ctx_len": CTX}
+    caches = {
+        i.name: rng.standard_normal([symbols.get(d, d) for d in i.shape]).astype(np.float32)
+        for i in session.get_inputs()
+        if i.name.startswith("past_")
+    }
+    return session, caches
+
+
 def test_a_graph_reads_no_slot_at_or_past_its_ccl(exported):
     """Decode at K = 36 with NaN in every cache slot ≥ K: the logits are finite and equal the
     same step with zeros there. The same NaN cache at K = 72 (slots 36… attended, masked as
     empty) gives NaN: what the cut saves is real reading, not a mask."""
-    _, out = exported
-    session = ort.InferenceSession(str(out / "decode.onnx"))
-    rng = np.random.default_rng(3)
+    session, caches = _decode_session(exported[1], 3)
     feed = {"input_ids": np.array([[9], [10]], np.int32), "position_ids": np.array([[30], [35]])}
     feed["position_ids"] = feed["position_ids"].astype(np.int32)
     nan_feed, zero_feed = dict(feed), dict(feed)
-    for i in session.get_inputs():
-        if i.name.startswith("past_"):
-            shape = [{"batch_size": 2, "ctx_len": CTX}.get(d, d) for d in i.shape]
-            x = rng.standard_normal(shape).astype(np.float32)
-            full = shape[2] == CTX  # a ring's slots are positions mod 5: always read
-            zero_feed[i.name], nan_feed[i.name] = x.copy(), x.copy()
-            if full:
-                zero_feed[i.name][:, :, 36:] = 0
-                nan_feed[i.name][:, :, 36:] = np.nan
+    for name, x in caches.items():
+        zero_feed[name], nan_feed[name] = x.copy(), x.copy()
+        if x.shape[2] == CTX:  # a ring's slots are positions mod 5: always read
+            zero_feed[name][:, :, 36:] = 0
+            nan_feed[name][:, :, 36:] = np.nan
 
     def logits(f, k):
         return session.run(["logits"], {**f, "comp_ctx_lengths": np.zeros(k, np.int64)})[0]
@@ -137,17 +145,10 @@ def test_the_last_position_a_ccl_holds_is_k_minus_1(exported):
     """A decode step at position K − 1 (the last slot K holds) gives the logits of the same
     step at K = ctx_len; at position K the graph silently drops the step's own key (what the
     runner's rule, K above every position, prevents): the logits move."""
-    _, out = exported
-    session = ort.InferenceSession(str(out / "decode.onnx"))
-    rng = np.random.default_rng(4)
-    caches = {
-        i.name: rng.standard_normal([{"batch_size": 2, "ctx_len": CTX}.get(d, d) for d in i.shape])
-        for i in session.get_inputs()
-        if i.name.startswith("past_")
-    }
+    session, caches = _decode_session(exported[1], 4)
 
     def logits(position, k):
-        feed = {n: x.astype(np.float32) for n, x in caches.items()}
+        feed = dict(caches)
         feed.update(
             input_ids=np.array([[9], [10]], np.int32),
             position_ids=np.full((2, 1), position, np.int32),
