@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ref import validate
+from ref import moe_modes, validate
 from ref.attention import reference
 from ref.cache import put_rows, take_rows
 from ref.gemma4.kv_cache import cache_len, cache_view
@@ -87,6 +87,7 @@ def apply_step(
     last_only=False,
     return_hidden=False,
     key_len=None,
+    moe=None,
 ):
     """One prefill chunk or decode step of the Gemma 4 text decoder (greedy-ready logits).
 
@@ -101,7 +102,8 @@ def apply_step(
     reads and writes slot batch_index[b] only (−1: a free row, whose writes are dropped);
     key_len: None, or a compute context length K in [1, ctx_len] above every position of the
     step (QEfficient's `comp_ctx_lengths`; an exporter may pass a symbol): the cache is written
-    whole and attended over its first K slots (`ref.gemma4.kv_cache.linear_memory`).
+    whole and attended over its first K slots (`ref.gemma4.kv_cache.linear_memory`); moe: how
+    the experts run, None (dense), a `ref.moe_modes.MoeMode` or its text ("gather", "nsp:…").
     → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
     last_only), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
@@ -115,7 +117,7 @@ def apply_step(
         seen = jax.eval_shape(take_rows, seen, slots)
         cache = dict(cache, **take_rows(records, slots))
     check_step(config, seen, input_ids, position_ids, vision_embeds, image_idx)
-    model = TextModel(config, keep_states=return_hidden).apply(
+    model = TextModel(config, keep_states=return_hidden, moe=moe_modes.parse(moe)).apply(
         {"params": params}, input_ids, position_ids, cache, vision_embeds, image_idx, attention,
         slots, key_len,
     )  # fmt: skip
@@ -139,7 +141,7 @@ def apply_step(
 # the compiled step; exporters trace `apply_step` (a jit would cache a trace made without them)
 _compiled_step = jax.jit(
     apply_step,
-    static_argnames=("config", "attention", "last_only", "return_hidden", "key_len"),
+    static_argnames=("config", "attention", "last_only", "return_hidden", "key_len", "moe"),
 )
 
 
@@ -185,7 +187,7 @@ _SIGNATURE = inspect.signature(apply_step)
 
 
 def step(*args, **kwargs):
-    """`apply_step` compiled (config, attention, last_only, return_hidden static), after
+    """`apply_step` compiled (config, attention, last_only, return_hidden, moe static), after
     `check_step_values` and `check_batch_index` on the concrete inputs; same arguments and
     result."""
     bound = _SIGNATURE.bind(*args, **kwargs)

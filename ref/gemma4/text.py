@@ -25,6 +25,7 @@ from ref.gemma4.kv_cache import (
 from ref.gemma4.moe import Experts, Router
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.layers import Embedding, RMSNorm, Weight, gated_mlp, gelu_tanh, linear, rms_norm
+from ref.moe_modes import MoeMode
 from ref.rope import apply_rope, rope_inv_freq
 
 
@@ -152,10 +153,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Gemma4TextDecoderLayer: sandwich norms, MLP (+ MoE), per-layer input, layer scalar."""
+    """Gemma4TextDecoderLayer: sandwich norms, MLP (+ MoE, its experts run in `moe`: a
+    `ref.moe_modes.MoeMode`), per-layer input, layer scalar."""
 
     config: TextConfig
     layer: int
+    moe: MoeMode = MoeMode()
 
     @nn.compact
     def __call__(self, x, per_layer_input, positions, kv, mask_args, attention, write):
@@ -170,9 +173,9 @@ class DecoderLayer(nn.Module):
         h = MLP(c, self.layer, name="mlp")(norm(name="pre_feedforward_layernorm")(x))
         if c.enable_moe_block:
             flat = x.reshape(-1, c.hidden_size)
-            combine = Router(c, name="router")(flat)
-            moe = Experts(c, name="experts")(
-                norm(name="pre_feedforward_layernorm_2")(flat), combine
+            weights, index = Router(c, name="router")(flat)
+            moe = Experts(c, self.moe, name="experts")(
+                norm(name="pre_feedforward_layernorm_2")(flat), weights, index
             )
             moe = norm(name="post_feedforward_layernorm_2")(moe.reshape(x.shape))
             h = norm(name="post_feedforward_layernorm_1")(h) + moe
@@ -192,11 +195,13 @@ class Layers(nn.Module):
     ({layer: [B, Hkv, T, hd]} of the cache-owning layers), and per layer type: mask_args,
     write (see `Attention`); attention) → (x, keys, values, hidden_states: the input then
     every layer's output, or () unless keep_states: an eager caller holds each layer's output
-    for the whole step otherwise, 21 MiB per 31B layer at 1,024 tokens).
+    for the whole step otherwise, 21 MiB per 31B layer at 1,024 tokens); moe: how the
+    experts run (`ref.moe_modes.MoeMode`).
     """
 
     config: TextConfig
     keep_states: bool = True
+    moe: MoeMode = MoeMode()
 
     @nn.compact
     def __call__(self, x, per_layer, positions, keys, values, mask_args, writes, attention):
@@ -210,7 +215,7 @@ class Layers(nn.Module):
         for i in range(c.num_hidden_layers):
             src, kind = str(c.kv_source[i]), c.layer_types[i]
             kv = attended[src] if c.shares_kv(i) else (keys[src], values[src])
-            x, stored, kv = DecoderLayer(c, i, name=str(i))(
+            x, stored, kv = DecoderLayer(c, i, self.moe, name=str(i))(
                 x,
                 None if per_layer is None else per_layer[:, :, i],
                 positions,
@@ -241,11 +246,12 @@ class TextModel(nn.Module):
     slots as always) → {"hidden": [B, S, D] after the final norm, "cache", "image_idx":
     image_idx_output (with vision_embeds), "hidden_states": the merged embeddings then every
     layer's output, each [B, S, D], when keep_states} (the keys `VisionModel` uses where they
-    mean the same).
+    mean the same). moe: how the experts run (`ref.moe_modes.MoeMode`).
     """
 
     config: TextConfig
     keep_states: bool = True
+    moe: MoeMode = MoeMode()
 
     @nn.compact
     def __call__(
@@ -277,7 +283,7 @@ class TextModel(nn.Module):
         mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
 
-        x, keys, values, states = Layers(c, self.keep_states, name="layers")(
+        x, keys, values, states = Layers(c, self.keep_states, self.moe, name="layers")(
             x, per_layer, positions, cache["k"], cache["v"], mask_args, writes, attention
         )
         out = {
