@@ -3,6 +3,7 @@
 
 import argparse
 
+from ref import moe_modes
 from ref.blocking import DENSE_NAMES
 from ref.blocking import names as blocking_names
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
@@ -62,6 +63,16 @@ def phase_blocking(text):
     return mode_options(text, list(blocking_names(prefill=True)))
 
 
+def moe_mode(text):
+    """An export's MoE mode text (`ref.moe_modes`: dense, gather, nsp[:num_nsp=N,packed_chunk=C]),
+    checked here, kept as text: nsp's counts left out are filled in per graph."""
+    try:
+        moe_modes.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def token_ids(text):
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -115,4 +126,35 @@ def add_video_arguments(parser):
         type=int,
         default=VIDEO_SOFT_TOKENS,
         help=f"soft tokens per frame ({VIDEO_SOFT_TOKENS}); an exported budget must hold them",
+    )
+
+
+def add_generation_arguments(parser):
+    """run's and serve's options of how generation stops and samples: --eos-id, --ignore-eos,
+    --sample, --temperature, --top-k, --top-p, --seed."""
+    parser.add_argument(
+        "--eos-id",
+        type=token_ids,
+        metavar="ID,ID,...",
+        help="stop ids (default: the checkpoint's generation_config.json eos_token_id, else its "
+        "config.json's); a row stops at its first one, which is kept",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="never stop before --max-new-tokens (benchmarks)",
+    )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="sample instead of greedy decoding, with generation_config.json's temperature, "
+        "top_k and top_p unless given (transformers' 1.0, 50, 1.0 where it names none)",
+    )
+    parser.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0: all)")
+    parser.add_argument(
+        "--top-p", type=float, help="sample from the least set of tokens holding this mass"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling seed (0); the same seed, the same tokens"
     )

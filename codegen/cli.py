@@ -78,6 +78,23 @@ def parser():
         "hqkv, bhqkv, kv_headpar with its options (left out: the mode's defaults)",
     )
     e.add_argument(
+        "--moe-prefill",
+        type=arguments.moe_mode,
+        metavar="MODE[:opt=v,...]",
+        help="how the prefill graph runs a MoE checkpoint's experts: dense (every expert on "
+        "every token), gather (each token's top-k experts' matrices) or nsp[:num_nsp=N,"
+        "packed_chunk=C] (experts over N cores, routed tokens packed in C-row chunks; N "
+        "defaults to --num-cores, C to 256 when it divides batch x seq_len, else all rows); "
+        "default as QEfficient: nsp when --num-cores divides the experts, else dense",
+    )
+    e.add_argument(
+        "--moe-decode",
+        type=arguments.moe_mode,
+        metavar="MODE[:opt=v,...]",
+        help="how the decode graph runs a MoE checkpoint's experts (modes of --moe-prefill); "
+        "default gather, as QEfficient",
+    )
+    e.add_argument(
         "--full-batch-size",
         type=int,
         help="continuous batching (QEfficient's): the KV cache holds N request slots, prefill "
@@ -199,9 +216,7 @@ def parser():
         action="store_false",
         help="skip the onnxruntime check at the end",
     )
-    r = sub.add_parser(
-        "run", help="greedy generation over an export's vision, prefill and decode graphs"
-    )
+    r = sub.add_parser("run", help="generation over an export's vision, prefill and decode graphs")
     r.add_argument("out", type=Path, help="an export folder (written with --graphs model)")
     r.add_argument(
         "--prompt",
@@ -252,7 +267,18 @@ def parser():
         metavar="HxW",
         help="that image's grid in patches (repeatable, paired with --patches in order)",
     )
-    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (16)")
+    r.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        help="render --prompt with the checkpoint's chat template as one user turn followed by "
+        "the model's (Gemma4Processor.apply_chat_template(add_generation_prompt=True)); the "
+        "default when the export holds a template; --no-chat sends the text as it is",
+    )
+    r.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate at most (16)")
+    arguments.add_generation_arguments(r)
+    r.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (vision, chunks, steps)"
+    )
     r.add_argument(
         "--decode-from",
         type=Path,
@@ -277,8 +303,11 @@ def parser():
         metavar="FILE.jsonl",
         help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images, "
         "videos, video_fps}, "
-        "max_new_tokens (16), arrival (the step it joins at, 0)",
+        "max_new_tokens (16), arrival (the step it joins at, 0), chat (as run's --chat), "
+        "sample, temperature, top_k, top_p, seed (each request's own; the options below are "
+        "the defaults)",
     )
+    arguments.add_generation_arguments(sv)
     sv.add_argument(
         "--skip-shard-check",
         action="store_true",

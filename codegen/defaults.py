@@ -124,7 +124,8 @@ def cache_dir():
 
 
 # The default tokenizer: Gemma 4's special tokens at the ids DEFAULT_CONFIG names, then words,
-# then filler up to the vocabulary size (a word-level stand-in for Gemma's 262k SentencePiece).
+# then Gemma 4's turn markers and roles, then filler up to the vocabulary size (a word-level
+# stand-in for Gemma's 262k SentencePiece).
 SPECIAL_TOKENS = (
     "<pad>",
     "<eos>",
@@ -142,6 +143,28 @@ WORDS = (
     "small large big left right top bottom middle there here one two three many some all "
     "cat dog person people car tree sky sun house road water text sign light dark . , : ? !"
 ).split() + [f"{i:02d}" for i in range(60)]  # a video frame's "mm:ss" timestamp
+TURN_TOKENS = ("<|turn>", "<turn|>")  # a turn's start and end, as Gemma 4's tokenizer names them
+ROLES = ("user", "model", "system")
+# Gemma 4's turn markup (`<|turn>role` … `<turn|>`, the assistant's role written "model"), one
+# placeholder per image or video where the message puts it
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- for message in messages -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{{ '<|turn>' + role + '\n' }}
+{%- if message['content'] is string -%}
+{{ message['content'] | trim }}
+{%- else -%}
+{%- for item in message['content'] -%}
+{%- if item['type'] == 'image' -%}{{ '<|image|>' }}
+{%- elif item['type'] == 'video' -%}{{ '<|video|>' }}
+{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{{ '<turn|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|turn>model\n' }}{%- endif -%}
+"""
 
 
 def default_tokenizer():
@@ -150,27 +173,61 @@ def default_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab_size = DEFAULT_CONFIG["text_config"]["vocab_size"]
-    tokens = list(SPECIAL_TOKENS) + list(WORDS)
+    tokens = list(SPECIAL_TOKENS) + list(WORDS) + list(TURN_TOKENS) + list(ROLES)
     tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, "<unk>"))
     backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS) + list(TURN_TOKENS))
     return backend
 
 
+def default_side_files():
+    """{file name: text} written beside the default checkpoint: the chat template, the
+    tokenizer's named special tokens, and the generation config (stop at `<eos>` or the end of
+    a turn; Gemma's sampling defaults)."""
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    end_of_turn = len(SPECIAL_TOKENS) + len(WORDS) + 1
+    generation = {
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], end_of_turn],
+        "pad_token_id": ids["<pad>"],
+        "do_sample": True,
+        "top_k": 64,
+        "top_p": 0.95,
+    }
+    tokenizer = {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "image_token": "<|image|>",
+        "boi_token": "<|image>",
+        "eoi_token": "<image|>",
+        "video_token": "<|video|>",
+    }
+    return {
+        "chat_template.jinja": CHAT_TEMPLATE,
+        "tokenizer_config.json": json.dumps(tokenizer, indent=2) + "\n",
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+    }
+
+
 def default_checkpoint(folder=None):
-    """The default checkpoint's folder (config.json, model.safetensors, tokenizer.json), written
-    on first use (atomically: the weights by `weights`, the tokenizer by a rename)."""
+    """The default checkpoint's folder (config.json, model.safetensors, tokenizer.json and the
+    side files), written on first use (atomically: the weights by `weights`, the others each by
+    a rename)."""
     from weights import save_checkpoint
 
     folder = cache_dir() if folder is None else Path(folder)
     config_path = folder / "config.json"
-    files = ("model.safetensors", "tokenizer.json")
+    side = default_side_files()
+    files = ("model.safetensors", "tokenizer.json", *side)
     if config_path.is_file() and all((folder / f).is_file() for f in files):
         try:
-            if json.loads(config_path.read_text()) == DEFAULT_CONFIG:
+            same = all((folder / n).read_text() == text for n, text in side.items())
+            if same and json.loads(config_path.read_text()) == DEFAULT_CONFIG:
                 return folder
         except (OSError, ValueError):
             pass
@@ -178,4 +235,8 @@ def default_checkpoint(folder=None):
     tmp = folder / "tokenizer.json.tmp"
     default_tokenizer().save(str(tmp))
     os.replace(tmp, folder / "tokenizer.json")
+    for name, text in side.items():
+        tmp = folder / f"{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, folder / name)
     return folder

@@ -39,7 +39,16 @@ from ref.blocking import VISION_TILES
 from ref.gemma4.images import DEFAULT_BUDGETS
 from weights import open_checkpoint
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# what `run` and `serve` read besides the graphs: the tokenizer, the chat template (in
+# tokenizer_config.json or its own file), the stop ids and sampling defaults
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 class ExportError(ValueError):
@@ -81,6 +90,8 @@ class ExportOptions:
     clip_fp16: bool = False  # codegen.clip: clamp out-of-range weights and known overflow points
     comp_ctx_lengths_prefill: tuple = ()  # compute context lengths (`ccl_lists`)
     comp_ctx_lengths_decode: tuple = ()
+    moe_prefill: str | None = None  # `ref.moe_modes` text; None: `model_graphs.phase_moe`'s
+    moe_decode: str | None = None
 
     def ccl_lists(self):
         """{phase: its compute context lengths}: each list given sorted, ctx_len appended when
@@ -168,12 +179,16 @@ def graph_specs(checkpoint, opts):
             *opts.decode_blocking, batch=opts.full_batch_size or opts.batch_size,
             ctx_len=opts.ctx_len,
         )  # fmt: skip
-        for phase, (mode, options) in (
-            ("prefill", opts.prefill_blocking),
-            ("decode", opts.decode_blocking),
+        cfg = graphs.text_config(checkpoint.config)
+        for phase, (mode, options), moe in (
+            ("prefill", opts.prefill_blocking, opts.moe_prefill),
+            ("decode", opts.decode_blocking, opts.moe_decode),
         ):
             if phase not in opts.phases:
                 continue
+            # the step's rows: decode runs over every continuous-batching slot
+            decode_rows = opts.full_batch_size or opts.batch_size
+            tokens = opts.batch_size * opts.seq_len if phase == "prefill" else decode_rows
             asked = {
                 "mode": mode,
                 "blocking": options,
@@ -182,6 +197,9 @@ def graph_specs(checkpoint, opts):
                 "full_batch_size": opts.full_batch_size,
                 "folded_cache": folded,
                 "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
+                "moe": model_graphs.phase_moe(
+                    moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens
+                ),
             }
             specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
@@ -344,7 +362,7 @@ def _export(opts, log):
     start = time.perf_counter()
     try:
         shards = external.place_shards(checkpoint.shards, tmp, checkpoint.dir)
-        # the tokenizer too, so `run --prompt` needs nothing but the export folder
+        # the tokenizer, template and stop ids too: `run --prompt` needs only the folder
         extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
         for extra in extras:
             if (checkpoint.dir / extra).is_file():

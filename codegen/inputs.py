@@ -1,6 +1,8 @@
 """What `python -m codegen run` and `serve` read from the command line — image and video files
-(`codegen.media`), the export's tokenizer.json, prompts, patch files, a JSONL file of requests
-— turned into what `codegen.runtime.Runner` takes; and the two commands' output."""
+(`codegen.media`), the export's tokenizer.json and chat template (`codegen.chat`), prompts, patch
+files, stop ids and sampling, a JSONL file of requests — turned into what
+`codegen.runtime.Runner` takes; and the two commands' output, `run`'s text streamed as it
+arrives."""
 
 import argparse
 import json
@@ -9,9 +11,11 @@ import sys
 
 import numpy as np
 
+from codegen import chat
 from codegen.media import read_image, read_video
 from codegen.runtime import Request, RunError, Runner
 from ref.gemma4.config import VisionConfig
+from ref.gemma4.decoding import Sampling
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import prompt_tokens
@@ -50,15 +54,25 @@ def _photo_prompt(args, runner):
     videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
     tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
     cfg = VisionConfig.from_hf(runner.checkpoint.config)
+    tokens = prompt_tokens(runner.checkpoint.config)
+    prompt, specials = args.prompt, {}
     try:
+        if prompt is not None and use_chat(getattr(args, "chat", None), runner.folder):
+            specials = chat.special_tokens(runner.folder)
+            message = chat.user_message(prompt, len(args.image), len(videos), tokens)
+            prompt = chat.render(chat.read_template(runner.folder), [message], specials)
+        # transformers adds no special tokens to a rendered text that starts with bos_token
+        bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
         ids, patches, grids = prompt_inputs(
-            args.prompt if args.prompt is not None else args.prompt_ids[0],
+            prompt if prompt is not None else args.prompt_ids[0],
             [read_image(p) for p in args.image],
             videos,
             patch_size=cfg.patch_size,
             pooling_kernel_size=cfg.pooling_kernel_size,
-            tokens=prompt_tokens(runner.checkpoint.config),
-            tokenize=None if tokenizer is None else (lambda s: tokenizer.encode(s).ids),
+            tokens=tokens,
+            tokenize=None
+            if tokenizer is None
+            else (lambda s: tokenizer.encode(s, add_special_tokens=not bare).ids),
             max_soft_tokens=args.max_soft_tokens or default_soft_tokens(runner),
             video_soft_tokens=args.video_soft_tokens,
         )
@@ -66,6 +80,42 @@ def _photo_prompt(args, runner):
         raise RunError(str(e)) from e
     items = list(zip(patches, grids, strict=True))
     return [ids], items, tokenizer if args.prompt is not None else None
+
+
+def use_chat(asked, folder):
+    """Whether a text prompt is rendered with the chat template: as asked (True/False), or, when
+    not asked (None), whenever the folder holds a template."""
+    if asked is False:
+        return False
+    if chat.read_template(folder) is None:
+        if asked:
+            raise RunError(
+                f"--chat: {folder} holds no chat template (chat_template.jinja, or "
+                "chat_template in tokenizer_config.json)"
+            )
+        return False
+    return True
+
+
+def sampling_of(options, generation_config):
+    """The sampling of `run`'s options or a request's keys (sample, temperature, top_k, top_p,
+    seed): None (greedy) unless sample is set or a sampling value is given; the values not given
+    from generation_config.json."""
+    values = {k: options.get(k) for k in ("temperature", "top_k", "top_p", "seed")}
+    if not options.get("sample") and all(values[k] is None for k in values if k != "seed"):
+        return None
+    return Sampling.from_generation_config(generation_config, **values)
+
+
+def stop_of(eos_id, ignore_eos):
+    """The stop ids of --eos-id / --ignore-eos: None (the export's), (), or the given ids."""
+    if ignore_eos:
+        return ()
+    return None if eos_id is None else tuple(int(i) for i in eos_id)
+
+
+def _generation_options(args):
+    return {k: getattr(args, k, None) for k in ("sample", "temperature", "top_k", "top_p", "seed")}
 
 
 def _inputs(args, runner):
@@ -92,21 +142,71 @@ def _inputs(args, runner):
 
 
 def main(args):
-    """`python -m codegen run`: prints progress to stderr and each row's ids, comma-separated,
-    as the last lines (after each row's text when a tokenizer is at hand)."""
+    """`python -m codegen run`: prints progress to stderr (unless --quiet); with a tokenizer,
+    the row's text streamed to stdout as its tokens arrive; then each row's ids, comma-separated
+    and without the padding after a stop id, as the last lines."""
     if args.skip_shard_check:
         print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
     runner = Runner(
         args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from
     )
     rows, images, tokenizer = _inputs(args, runner)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    tokens = runner.generate(rows, images, max_new_tokens=args.max_new_tokens, log=log)
+    quiet = getattr(args, "quiet", False)
+    log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        sampling = sampling_of(_generation_options(args), runner.generation_config)
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    stream = Stream(tokenizer) if tokenizer is not None and len(rows) == 1 else None
+    tokens = runner.generate(
+        rows,
+        images,
+        max_new_tokens=args.max_new_tokens,
+        log=log,
+        stop=stop_of(args.eos_id, args.ignore_eos),
+        sampling=sampling,
+        emit=stream,
+    )
     for row in tokens:
-        if tokenizer is not None:
+        row = unpadded(row, runner.stop if args.eos_id is None else args.eos_id)
+        if stream is not None:
+            stream.finish(row)
+        elif tokenizer is not None:
             print(row_text(tokenizer, row))
         print(",".join(str(int(t)) for t in row))
     return 0
+
+
+def unpadded(row, stop):
+    """A generated row up to and with its first stop id (the padding after it dropped)."""
+    hits = np.flatnonzero(np.isin(row, list(stop)))
+    return row if not hits.size else row[: hits[0] + 1]
+
+
+class Stream:
+    """Row 0's text printed to stdout as its tokens arrive: the whole row decoded again at each
+    token and the new end printed, held back while it ends in an incomplete character (a byte
+    token of a longer UTF-8 sequence decodes to U+FFFD), as transformers' TextStreamer does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, row, token):
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+    def finish(self, row):
+        """End the streamed line: what is left of the row's text, or the note `row_text` gives
+        for a row without text."""
+        text = row_text(self.tokenizer, row)
+        if not self.shown.strip():
+            print(text)
+            return
+        print(text[len(self.shown) :] if text.startswith(self.shown) else "", flush=True)
 
 
 def row_text(tokenizer, row):
@@ -118,12 +218,14 @@ def row_text(tokenizer, row):
     return text
 
 
-def read_requests(path, runner):
+def read_requests(path, runner, defaults=None):
     """Requests from a JSONL file, one object a line: `prompt_ids` (image runs expanded, with
     `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
     with `images` [image files] and `videos` [frame folders or animations] (with
     `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70));
-    `max_new_tokens` (16) and `arrival` (step, 0). Paths are relative to the file's folder."""
+    `max_new_tokens` (16) and `arrival` (step, 0); `chat` (`run`'s --chat), `sample`,
+    `temperature`, `top_k`, `top_p`, `seed` (default: `defaults`, serve's options). Paths are
+    relative to the file's folder."""
     base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path) as f:
@@ -144,6 +246,7 @@ def read_requests(path, runner):
             video_fps=item.get("video_fps", []),
             video_frames=item.get("video_frames", VIDEO_FRAMES),
             video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
+            chat=item.get("chat"),
         )
         rows, images, _ = _inputs(args, runner)
         n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
@@ -151,17 +254,25 @@ def read_requests(path, runner):
             raise RunError(
                 f"--requests {path} line {i + 1}: arrival={arrival!r}: expected int >= 0"
             )
-        requests.append(Request(np.asarray(rows[0]), images, n, arrival))
+        options = {**(defaults or {}), **{k: item[k] for k in GENERATION_KEYS if k in item}}
+        try:
+            sampling = sampling_of(options, runner.generation_config)
+        except ValueError as e:
+            raise RunError(f"--requests {path} line {i + 1}: {e}") from e
+        requests.append(Request(np.asarray(rows[0]), images, n, arrival, sampling))
     return requests
+
+
+GENERATION_KEYS = ("sample", "temperature", "top_k", "top_p", "seed")
 
 
 def serve_main(args):
     """`python -m codegen serve`: continuous batching of a JSONL file of requests; prints the
     step timeline to stderr and each request's ids to stdout."""
     runner = Runner(args.out, check_shards=not args.skip_shard_check)
-    requests = read_requests(args.requests, runner)
+    requests = read_requests(args.requests, runner, _generation_options(args))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    tokens, _ = runner.serve(requests, log=log)
+    tokens, _ = runner.serve(requests, log=log, stop=stop_of(args.eos_id, args.ignore_eos))
     for i, row in enumerate(tokens):
         print(f"request {i}: " + ",".join(str(int(t)) for t in row))
     return 0

@@ -24,11 +24,12 @@ import os
 import numpy as np
 
 from codegen.folder import open_session, read_manifest
+from ref.gemma4 import decoding
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.text_config import TextConfig
-from weights import open_checkpoint
+from weights import generation_config, open_checkpoint
 
 
 class RunError(ValueError):
@@ -38,12 +39,14 @@ class RunError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
-    order, how many tokens to generate, and the step at which it arrives."""
+    order, how many tokens to generate at most, the step at which it arrives, and its sampling
+    (None: greedy; else a `ref.gemma4.decoding.Sampling`, drawn as row 0 of a run alone)."""
 
     ids: np.ndarray
     images: list
     max_new_tokens: int
     arrival: int = 0
+    sampling: decoding.Sampling | None = None
 
 
 def ccl_for(ccls, position_ids):
@@ -110,16 +113,27 @@ class Runner:
         # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
         self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in ("prefill", "decode")}
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
+        # the checkpoint's generation_config.json (copied into the export), else config.json
+        self.generation_config = generation_config(self.folder)
+        self.stop = decoding.stop_ids(self.generation_config, self.checkpoint.config)
+        self.pad = decoding.pad_id(self.generation_config, self.checkpoint.config)
 
-    def generate(self, prompts, images=(), *, max_new_tokens, log=None):
-        """Greedy tokens [len(prompts), max_new_tokens].
+    def generate(
+        self, prompts, images=(), *, max_new_tokens, log=None, stop=None, sampling=None, emit=None
+    ):
+        """Tokens [len(prompts), N]: each row ends at its first stop id (kept) and is padded
+        after it with the pad id; N is max_new_tokens, or fewer once every row has stopped
+        (transformers' `generate`).
 
         prompts: token-id sequences, each image already a run of image tokens (at most the
         compiled batch_size rows, or full_batch_size with continuous batching); images:
         (patches [h·w, 3·p·p] in [0, 1], (h, w)) per image run, in order of appearance, row by
-        row.
+        row; stop: stop ids (None: the export's, () never stops); sampling: None (greedy) or a
+        `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n)); emit:
+        called with (row, token) as each token of a running row arrives.
         """
         log = log or (lambda msg: None)
+        emit = emit or (lambda row, token: None)
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         self._check(rows, max_new_tokens)
         if self.slots is not None:
@@ -129,27 +143,49 @@ class Runner:
                     r,
                     [next(it) for _ in image_runs(r, *self.text.vision_token_ids)],
                     max_new_tokens,
+                    sampling=sampling,
                 )
                 for r in rows
             ]
-            return np.stack(self.serve(requests, log=log)[0])
+            tokens = self.serve(requests, log=log, stop=stop, emit=emit)[0]
+            width = max(len(t) for t in tokens)
+            return np.stack(
+                [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
+            )
+        stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
         caches = self._empty_caches("prefill")
-        caches, token = self._prefill(rows, list(images), caches, None, log)
-        tokens = [token]
+        caches, logits = self._prefill(rows, list(images), caches, None, log)
+        tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
         position = np.array([len(r) for r in rows], np.int32)
-        for n in range(max_new_tokens - 1):
-            caches, token = self._decode(caches, token, position, None)
-            tokens.append(token)
+        for n in range(1, max_new_tokens):
+            if stopper.done:
+                break
+            caches, logits = self._decode(caches, tokens[-1], position, None)
+            tokens.append(self._emit(stopper, decoding.choose(logits, sampling, n), emit))
             position = position + 1
-            log(f"decode step {n + 2}/{max_new_tokens}{self._ccl_note('decode')}")
+            log(f"decode step {n + 1}/{max_new_tokens}{self._ccl_note('decode')}")
         return np.stack(tokens, axis=1)
 
-    def serve(self, requests, *, log=None):
+    @staticmethod
+    def _emit(stopper, tokens, emit):
+        """One step's tokens with finished rows padded; each running row's token emitted."""
+        running = stopper.running.copy()
+        out = stopper(tokens)
+        for row in np.flatnonzero(running):
+            emit(int(row), int(out[row]))
+        return out
+
+    def serve(self, requests, *, log=None, stop=None, emit=None):
         """Continuous batching over the exported slots (an export with --full-batch-size):
         requests join free slots at their arrival step (prefilled in groups of batch_size),
-        every occupied slot decodes together, each leaves at its own length.
+        every occupied slot decodes together, each leaves once it has emitted a stop id or its
+        max_new_tokens, and its slot is free for a waiting request at the next step.
+        stop: stop ids (None: the export's, () never stops); emit: called with (request,
+        token) as each token arrives.
         → (tokens per request, timeline: one line per step)."""
         log = log or (lambda msg: None)
+        emit = emit or (lambda request, token: None)
+        stop = set(self.stop if stop is None else stop)
         if self.slots is None:
             raise RunError(f"{self.folder}: serving needs an export with --full-batch-size")
         for i, r in enumerate(requests):
@@ -168,31 +204,42 @@ class Runner:
                 slots = free[k : k + len(group)]
                 rows = [requests[r].ids for r in group]
                 images = [img for r in group for img in requests[r].images]
-                caches, first = self._prefill(rows, images, caches, slots, log)
-                for r, s, token in zip(group, slots, first, strict=True):
+                caches, logits = self._prefill(rows, images, caches, slots, log)
+                for r, s, row_logits in zip(group, slots, logits, strict=True):
                     waiting.remove(r)
-                    slot_of[r], last[s], tokens[r] = s, token, [int(token)]
+                    token = decoding.draw(row_logits, requests[r].sampling, 0, 0)
+                    slot_of[r], last[s], tokens[r] = s, token, [token]
                     position[r] = len(requests[r].ids)
+                    emit(r, token)
                     events.append(f"request {r} joins slot {s}")
-            for r in [r for r in slot_of if len(tokens[r]) == requests[r].max_new_tokens]:
-                events.append(f"request {r} leaves slot {slot_of.pop(r)}")
-            if slot_of:
+            decoding_now = [r for r in slot_of if not self._finished(requests[r], tokens[r], stop)]
+            if decoding_now:
                 pos = np.full(self.slots, -1, np.int32)
-                for r, s in slot_of.items():
-                    pos[s] = position[r]
+                for r in decoding_now:
+                    pos[slot_of[r]] = position[r]
                     position[r] += 1
-                caches, last = self._decode(caches, last, pos, np.arange(self.slots))
-                for r, s in slot_of.items():
+                caches, logits = self._decode(caches, last, pos, np.arange(self.slots))
+                for r in decoding_now:
+                    s = slot_of[r]
+                    last[s] = decoding.draw(logits[s], requests[r].sampling, 0, len(tokens[r]))
                     tokens[r].append(int(last[s]))
-                events.append(f"decode slots {sorted(slot_of.values())}{self._ccl_note('decode')}")
+                    emit(r, int(last[s]))
+                slots_now = sorted(slot_of[r] for r in decoding_now)
+                events.append(f"decode slots {slots_now}{self._ccl_note('decode')}")
+            for r in [r for r in slot_of if self._finished(requests[r], tokens[r], stop)]:
+                events.append(f"request {r} leaves slot {slot_of.pop(r)}")
             timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
             log(timeline[-1])
             t += 1
         return [np.array(tokens[r]) for r in range(len(requests))], timeline
 
+    @staticmethod
+    def _finished(request, tokens, stop):
+        return len(tokens) == request.max_new_tokens or tokens[-1] in stop
+
     def _prefill(self, rows, images, caches, slots, log):
         """Chunked prefill of rows (≤ batch_size) into their cache rows, or into `slots` with
-        continuous batching → (caches, each row's first generated token).
+        continuous batching → (caches, [rows, V] logits of each row's last prompt token).
 
         Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
         prompt may hold more soft tokens (a video's frames) than any exported vision budget:
@@ -228,7 +275,7 @@ class Runner:
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
             log(f"prefill chunk {k + 1}/{chunks}{self._ccl_note('prefill')}")
-        return caches, np.argmax(np.stack(last), axis=-1).astype(np.int32)
+        return caches, np.stack(last)
 
     def _window(self, streams, offsets, counts):
         """One chunk's vision inputs: each row's next `counts` soft tokens of its stream from
@@ -241,7 +288,8 @@ class Runner:
         return {"vision_embeds": out, "image_idx": np.zeros((self.batch, 1), np.int32)}
 
     def _decode(self, caches, token, position, slots):
-        """One decode step of every row (position −1: a free row) → (caches, next tokens)."""
+        """One decode step of every row (position −1: a free row) → (caches, [len(token), V]
+        logits)."""
         n = len(token)
         rows = self.batch if self.slots is None else self.slots
         ids = np.zeros((rows, 1), np.int32)
@@ -251,8 +299,7 @@ class Runner:
         if slots is not None:
             feed["batch_index"] = _slot_column(slots, rows)
         out = self._run("decode", feed)
-        next_token = np.argmax(out["logits"][:n, 0], axis=-1).astype(np.int32)
-        return self._retained(out, caches), next_token
+        return self._retained(out, caches), out["logits"][:n, 0]
 
     def _check(self, rows, max_new_tokens, what="row"):
         most = self.batch if self.slots is None else self.slots

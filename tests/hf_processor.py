@@ -18,13 +18,17 @@ SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<|image|>", "<|image>", "<image|
 SPECIAL += ["<|audio|>", "<|audio>", "<audio|>"]
 WORDS = ["look", "at", "this", "and", "then", "that", ":", ".", "?"]
 WORDS += [f"{i:02d}" for i in range(60)]
+TURN = ["<|turn>", "<turn|>"]  # Gemma 4's turn markers and roles, after the words: ids unchanged
+ROLES = ["user", "model"]
 
 
 def word_backend():
-    """The `tokenizers` Tokenizer: SPECIAL then WORDS, split on whitespace and punctuation."""
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, "<unk>"))
+    """The `tokenizers` Tokenizer: SPECIAL, WORDS, TURN, ROLES, split on whitespace and
+    punctuation."""
+    vocab = SPECIAL + WORDS + TURN + ROLES
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, "<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.add_special_tokens(SPECIAL)
+    backend.add_special_tokens(SPECIAL + TURN)
     return backend
 
 
@@ -42,10 +46,10 @@ def word_tokenizer():
     )
 
 
-def hf_processor(tokenizer, budget, patch_size, video=None):
+def hf_processor(tokenizer, budget, patch_size, video=None, chat_template=None):
     """Gemma4Processor with a real PIL image processor; `video` may be None (torchvision does
     not import beside this torch) or a stand-in (tests/hf_video.py): only that argument's
-    class check is skipped."""
+    class check is skipped; chat_template: the processor's template (apply_chat_template)."""
     image = Gemma4ImageProcessorPil(patch_size=patch_size, max_soft_tokens=budget)
     check = ProcessorMixin.check_argument_for_proper_class
 
@@ -59,18 +63,19 @@ def hf_processor(tokenizer, budget, patch_size, video=None):
             image_processor=image,
             tokenizer=tokenizer,
             video_processor=video,
+            chat_template=chat_template,
         )
 
 
 def greedy_with_gap(model, inputs, new_tokens):
-    """transformers' greedy `generate` on processor outputs → (the new ids of row 0, the
-    least top-2 logit gap over its steps: below ~1e-4 float32 runs may pick either)."""
+    """transformers' greedy `generate` on processor outputs, stopping at the model's stop ids
+    → (the new ids of row 0, the least top-2 logit gap over its steps: below ~1e-4 float32 runs
+    may pick either)."""
     with torch.no_grad():
         out = model.generate(
             **inputs,
             max_new_tokens=new_tokens,
             do_sample=False,
-            eos_token_id=None,
             pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,

@@ -95,9 +95,13 @@ def prompt(rng, length, images, vocab):
     return np.array(ids + text[start:], np.int64)
 
 
-def hf_generate(model, ids, patches, grids, max_new_tokens):
-    """Greedy generation for one prompt: (new tokens [max_new_tokens], per-step logits)."""
-    kwargs = {}
+def hf_generate(model, ids, patches, grids, max_new_tokens, eos="model"):
+    """Greedy generation for one prompt, as transformers ends it: (new tokens [N], N ≤
+    max_new_tokens, ending at the first stop id; per-step logits [N, V]).
+
+    eos: "model" (the model's generation_config: Gemma 4's `<eos>` 1), a stop id or a list of
+    them, or None (never stop)."""
+    kwargs = {} if eos == "model" else {"eos_token_id": eos}
     if grids:
         kwargs["pixel_values"], kwargs["image_position_ids"] = hf_padded_inputs(patches, grids)
     input_ids = torch.from_numpy(ids)[None]
@@ -108,7 +112,6 @@ def hf_generate(model, ids, patches, grids, max_new_tokens):
             mm_token_type_ids=(input_ids == IMAGE).long(),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=None,
             pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,
@@ -133,3 +136,10 @@ def hf_request(model, rng, length, grids, new_tokens, vocab=96):
     ids = prompt(rng, length, [h * w // 9 for h, w in grids], vocab)
     tokens, logits = hf_generate(model, ids, patches, grids, new_tokens)
     return ids, patches, tokens, top2_gap(logits)
+
+
+def padded_rows(rows, pad=0):
+    """Rows of generated ids as transformers returns a batch: each padded with `pad` to the
+    longest → [B, max len]."""
+    width = max(len(r) for r in rows)
+    return np.stack([np.pad(np.asarray(r), (0, width - len(r)), constant_values=pad) for r in rows])

@@ -8,6 +8,7 @@ from weights.blocks import LazyTensor, read_block
 from weights.checkpoint import (
     Checkpoint,
     check_shapes,
+    generation_config,
     load_checkpoint,
     open_checkpoint,
     plan_shards,
@@ -32,6 +33,7 @@ __all__ = [
     "check_shapes",
     "TensorInfo",
     "dtype_code",
+    "generation_config",
     "LazyTensor",
     "load_checkpoint",
     "numpy_dtype",

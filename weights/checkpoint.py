@@ -30,6 +30,7 @@ from weights.safetensors import (
 from weights.writer import atomic_write, write_safetensors
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -188,6 +189,15 @@ def open_checkpoint(model_dir) -> Checkpoint:
         raise CheckpointError(f"{model_dir}: has neither {SINGLE} nor {INDEX}")
     tensors = {name: found[name] for name in sorted(found)}
     return Checkpoint(dir=model_dir, config=config, tensors=tensors, shards=shards)
+
+
+def generation_config(model_dir) -> dict | None:
+    """The folder's generation_config.json as a dict (stop ids, pad id, sampling defaults), or
+    None when the folder has none."""
+    path = Path(os.path.abspath(model_dir)) / GENERATION_CONFIG
+    if not os.path.lexists(path):
+        return None
+    return _read_json_object(path, "generation config", strict=False)
 
 
 def load_checkpoint(model_dir, *, lazy: bool = False) -> tuple[dict, dict]:

@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ref import sharding, validate
+from ref import moe_modes, sharding, validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
+from ref.gemma4 import decoding
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.multimodal import prompt_inputs
@@ -44,19 +45,21 @@ def attention_for(mode, *, prefill, batch, queries, ctx_len):
     return reference if config is None else partial(blocked, config=config)
 
 
-@partial(jax.jit, static_argnames=("config", "attention", "last_only", "mesh"))
-def sharded_step(params, lm_head, cache, *inputs, config, attention, last_only, mesh):
+@partial(jax.jit, static_argnames=("config", "attention", "last_only", "mesh", "moe"))
+def sharded_step(params, lm_head, cache, *inputs, config, attention, last_only, mesh, moe=None):
     """`apply_step` (same arguments) with the cache it returns kept in `ref.sharding`'s layout
     on `mesh`: left to itself, XLA splits a replicated cache's head_dim instead (measured on a
     full layer with one KV head), and the next step would compile for that layout."""
     out = apply_step(
-        params, lm_head, cache, *inputs, config=config, attention=attention, last_only=last_only
-    )
+        params, lm_head, cache, *inputs, config=config, attention=attention, last_only=last_only,
+        moe=moe,
+    )  # fmt: skip
     return dict(out, cache=sharding.constrain(out["cache"], mesh))
 
 
 class Gemma4:
-    """Gemma 4 (vision tower + text decoder) with its parameters; greedy generation.
+    """Gemma 4 (vision tower + text decoder) with its parameters; generation (greedy or sampled)
+    that stops a row at its first stop id.
 
     text_config: TextConfig; text_params: the checkpoint's `model.language_model` tree;
     lm_head: [V, D] or None (tied to the token embedding); vision: an object with
@@ -64,7 +67,8 @@ class Gemma4:
     mesh: None (one device) or a `jax.sharding.Mesh` the parameters and the KV cache are split
     over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`), with
     any axis names; an explicit-axis mesh (`jax.make_mesh`'s default) is used with Auto axes
-    (`sharding.auto_axes`).
+    (`sharding.auto_axes`); stop: the stop ids (`ref.gemma4.decoding.stop_ids`), pad: the
+    id a finished row is padded with.
     """
 
     def __init__(
@@ -76,8 +80,11 @@ class Gemma4:
         dtype=jnp.float32,
         tokens=GEMMA4_TOKENS,
         mesh=None,
+        stop=(),
+        pad=0,
     ):
         self.config = text_config
+        self.stop, self.pad = tuple(stop), int(pad)
         self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh = sharding.auto_axes(mesh)
@@ -101,10 +108,11 @@ class Gemma4:
         return other
 
     @classmethod
-    def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
+    def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None, generation_config=None):
         """From an HF config dict and a checkpoint tree (`model.language_model.…`, optional
         `lm_head.weight`, and `model.vision_tower`/`model.embed_vision` for images); mesh: see
-        the class."""
+        the class; generation_config: the checkpoint's generation_config.json as a dict (its
+        stop and pad ids; None: config.json's)."""
         model = params.get("model", {})
         text = model.get("language_model", model)
         if "embed_tokens" not in text or "layers" not in text:
@@ -117,22 +125,27 @@ class Gemma4:
             vision = VisionTower.from_params(hf_config, params, dtype, mesh)
         lm_head = params.get("lm_head", {}).get("weight")
         config = TextConfig.from_hf(hf_config)
-        return cls(config, text, lm_head, vision, dtype, prompt_tokens(hf_config), mesh)
+        stop = decoding.stop_ids(generation_config, hf_config)
+        pad = decoding.pad_id(generation_config, hf_config)
+        tokens = prompt_tokens(hf_config)
+        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad)
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None):
+    def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None, generation_config=None):
         """From an HF model folder, read by the checkpoint loader the `weights` package installs;
-        with a mesh, each device reads only its blocks from the files' byte ranges."""
+        with a mesh, each device reads only its blocks from the files' byte ranges;
+        generation_config: see `from_params` (`weights.generation_config(model_dir)` reads the
+        folder's)."""
         hf_config, params = checkpoint_loader()(model_dir, lazy=mesh is not None)
-        return cls.from_params(hf_config, params, dtype, mesh)
+        return cls.from_params(hf_config, params, dtype, mesh, generation_config)
 
     def generate(self, input_ids, patches=None, grids=None, **options):
-        """Greedy generation → [B, max_new_tokens] int token ids.
+        """Generation → [B, N] int token ids, N ≤ max_new_tokens (see `generate_embedded`).
 
         input_ids: [B, L], each image already a run of image tokens; patches/grids: the
         images in order of appearance, row by row, as `VisionTower.embed` takes them;
         options: those of `generate_embedded` (max_new_tokens, chunk_size, prefill_blocking,
-        decode_blocking, lengths, sliding_ring).
+        decode_blocking, lengths, sliding_ring, stop, pad, sampling).
         """
         images = []
         if grids:
@@ -153,8 +166,8 @@ class Gemma4:
         tokenize=None,
         **options,
     ):
-        """Greedy generation for one prompt with images and videos as pixels → [max_new_tokens]
-        int ids.
+        """Generation for one prompt with images and videos as pixels → [N] int ids, N ≤
+        max_new_tokens (the last a stop id when N < max_new_tokens).
 
         prompt: text with one `self.tokens.image_token` per image and one `video_token` per
         video (tokenize(str) → ids needed; the text is expanded first, then tokenized, as
@@ -192,8 +205,15 @@ class Gemma4:
         decode_blocking=None,
         lengths=None,
         sliding_ring=False,
+        stop=None,
+        pad=None,
+        sampling=None,
+        moe_prefill=None,
+        moe_decode=None,
     ):
-        """Greedy generation from images already embedded → [B, max_new_tokens] int ids.
+        """Generation from images already embedded → [B, N] int ids: each row ends at its
+        first stop id (kept) and is padded after it with `pad`; N is max_new_tokens, or fewer
+        when every row has stopped (transformers' `generate`).
 
         images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
         max_new_tokens: tokens to generate per row; chunk_size: None prefills each prompt in
@@ -201,7 +221,11 @@ class Gemma4:
         `chunk_bounds`); prefill_blocking, decode_blocking: None (dense), a mode name or a
         `ref.blocking.BlockingConfig` (see `attention_for`); lengths: [B] prompt lengths of
         right-padded rows (default: all L); sliding_ring: keep sliding layers' keys in a ring
-        of sliding_window slots (see `ref.gemma4.kv_cache.init_cache`).
+        of sliding_window slots (see `ref.gemma4.kv_cache.init_cache`); stop: stop ids (None:
+        the model's, () never stops); pad: the pad id (None: the model's); sampling: None
+        (greedy) or a `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n));
+        moe_prefill, moe_decode: how each phase runs the experts (`ref.moe_modes`: None, dense,
+        gather, nsp:num_nsp=N,packed_chunk=C; nsp's counts must divide E and B × chunk length).
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -232,21 +256,31 @@ class Gemma4:
         cache = sharding.sharded(
             partial(init_cache, self.config, b, ctx_len, self.dtype, ring=sliding_ring), self.mesh
         )
-        cache, logits = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill)
-        return self._decode(cache, logits, lengths, max_new_tokens, decode)
+        experts = self.config.num_experts
+        moe = (moe_modes.for_phase(moe_prefill, "prefill", experts, b * seq),
+               moe_modes.for_phase(moe_decode, "decode", experts, b))  # fmt: skip
+        cache, logits = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill, moe[0])
+        stopper = decoding.Stopper(
+            self.stop if stop is None else stop, self.pad if pad is None else pad, b
+        )
+        return self._decode(
+            cache, logits, lengths, max_new_tokens, decode, stopper, sampling, moe[1]
+        )
 
-    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention):
+    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention, moe):
         args = (self.params, self.lm_head, cache, jnp.asarray(ids), jnp.asarray(positions))
         args += (vision_embeds, image_idx)
         if self.step_fn is not None:
-            return self.step_fn(*args, config=self.config, attention=attention)
-        kw = dict(config=self.config, attention=attention, last_only=True)
+            # a step function of its own runs the experts its own way (dense when not told)
+            more = {} if moe.name == "dense" else {"moe": moe}
+            return self.step_fn(*args, config=self.config, attention=attention, **more)
+        kw = dict(config=self.config, attention=attention, last_only=True, moe=moe)
         if self.mesh is None:
             return step(*args, **kw)
         check_step_values(self.config, *args[2:])
         return sharded_step(*args, **kw, mesh=self.mesh)
 
-    def _prefill(self, cache, rows, schedule, seq, vision_embeds, attention):
+    def _prefill(self, cache, rows, schedule, seq, vision_embeds, attention, moe):
         """Every row's chunks, chunk k of each row in step k → (cache, [B, V] logits of each
         row's last prompt token)."""
         b = len(rows)
@@ -255,7 +289,7 @@ class Gemma4:
         for k in range(max(len(s) for s in schedule)):
             chunk_ids, chunk_pos = chunk_arrays(rows, schedule, k, b, seq)
             out = self._run(
-                cache, chunk_ids, chunk_pos, vision_embeds, image_idx, attention=attention
+                cache, chunk_ids, chunk_pos, vision_embeds, image_idx, attention=attention, moe=moe
             )
             cache, image_idx = out["cache"], out.get("image_idx")
             for i, bounds in enumerate(schedule):
@@ -263,17 +297,20 @@ class Gemma4:
                     last[i] = out["logits"][i, 0]
         return cache, jnp.stack(last)
 
-    def _decode(self, cache, logits, lengths, max_new_tokens, attention):
-        """Greedy tokens from the prompt's last logits, one decode step each → [B, N]."""
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        tokens = [token]
+    def _decode(self, cache, logits, lengths, max_new_tokens, attention, stopper, sampling, moe):
+        """Tokens from the prompt's last logits, one decode step each, until max_new_tokens or
+        every row has stopped → [B, N]."""
+        tokens = [stopper(decoding.choose(np.asarray(logits, np.float32), sampling, 0))]
         position = jnp.asarray(lengths, jnp.int32)
-        for _ in range(max_new_tokens - 1):
-            out = self._run(cache, token[:, None], position[:, None], attention=attention)
+        for n in range(1, max_new_tokens):
+            if stopper.done:
+                break
+            token = jnp.asarray(tokens[-1])
+            out = self._run(cache, token[:, None], position[:, None], attention=attention, moe=moe)
             cache, position = out["cache"], position + 1
-            token = jnp.argmax(out["logits"][:, 0], axis=-1).astype(jnp.int32)
-            tokens.append(token)
-        return np.asarray(jnp.stack(tokens, axis=1))
+            logits = np.asarray(out["logits"][:, 0], np.float32)
+            tokens.append(stopper(decoding.choose(logits, sampling, n)))
+        return np.stack(tokens, axis=1)
 
     def _vision_rows(self, runs, images):
         """Each row's soft tokens, concatenated in order and zero-padded: [B, V, D] or None."""

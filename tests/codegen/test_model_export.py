@@ -20,7 +20,7 @@ from codegen.defaults import default_checkpoint
 from codegen.export import ExportOptions, export
 from codegen.runtime import RunError, Runner
 from tests.hf_vision import patches_for
-from tests.text_oracle import hf_model, hf_request, prompt, text_config
+from tests.text_oracle import hf_model, hf_request, padded_rows, prompt, text_config
 from tests.util import examples
 
 NEW_TOKENS = 12
@@ -101,7 +101,7 @@ def oracle(model, rows, seed):
         prompts.append(ids)
         images += list(zip(patches, grids, strict=True))
         want.append(tokens)
-    return prompts, images, np.stack(want), gap
+    return prompts, images, padded_rows(want), gap
 
 
 # (model, batch, prefill mode, decode mode, sliding ring): every prefill mode, decode

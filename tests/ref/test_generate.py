@@ -11,7 +11,14 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from ref.gemma4.model import Gemma4
 from tests.hf_vision import patches_for, randomize_, tree_of
-from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, prompt, text_config
+from tests.text_oracle import (
+    FIRST_TEXT,
+    hf_generate,
+    hf_model,
+    padded_rows,
+    prompt,
+    text_config,
+)
 from tests.util import examples
 
 NEW_TOKENS = 16
@@ -96,8 +103,7 @@ def test_greedy_tokens_equal_transformers(moe, batch, chunk, prefill, decode, ri
         lengths=lengths,
         sliding_ring=ring,
     )
-    assert got.shape == (batch, NEW_TOKENS)
-    np.testing.assert_array_equal(got, np.stack(want))
+    np.testing.assert_array_equal(got, padded_rows(want))
 
 
 def test_generate_rejects_mismatched_images():
@@ -151,3 +157,60 @@ def test_text_only_checkpoint_generates_as_transformers():
         )[0, ids.shape[1] :].numpy()
     got = ours.generate(ids, max_new_tokens=8, chunk_size=4, decode_blocking="kv")
     np.testing.assert_array_equal(got[0], want)
+
+
+def _stop_case(hf, rng, batch):
+    """Rows and a stop id the model emits: each row's tokens from transformers alone without a
+    stop id, the stop id the token row 0 first emits at a drawn step, and each row's tokens from
+    transformers stopping at it → (ids [batch, L] right-padded, lengths, stop id, tokens per
+    row)."""
+    rows = [prompt(rng, int(rng.integers(3, 12)), [], 96) for _ in range(batch)]
+    free, _ = hf_generate(hf, rows[0], [], [], NEW_TOKENS)
+    stop = int(free[rng.integers(0, NEW_TOKENS - 1)])
+    want = [hf_generate(hf, r, [], [], NEW_TOKENS, eos=stop)[0] for r in rows]
+    padded = np.zeros((batch, max(map(len, rows))), np.int64)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)] = r
+    return padded, [len(r) for r in rows], stop, want
+
+
+@pytest.mark.parametrize("moe, seed", [(False, 1), (True, 2)])
+def test_generation_stops_at_a_stop_id_as_transformers(moe, seed):
+    """A stop id the model emits mid-generation: every row ends at its first one, the batch
+    padded with the pad id after it and cut where the last row stops (transformers' shape)."""
+    hf, ours = _models(moe)
+    padded, lengths, stop, want = _stop_case(hf, np.random.default_rng(seed), 3)
+    assert len(want[0]) < NEW_TOKENS and want[0][-1] == stop
+    got = ours.generate(padded, max_new_tokens=NEW_TOKENS, chunk_size=5, lengths=lengths,
+                        stop=(stop,), pad=0)  # fmt: skip
+    np.testing.assert_array_equal(got, padded_rows(want))
+    alone = ours.generate(padded[:1, : lengths[0]], max_new_tokens=NEW_TOKENS, stop=(stop,))
+    np.testing.assert_array_equal(alone[0], want[0])
+    never = ours.generate(padded[:1, : lengths[0]], max_new_tokens=NEW_TOKENS, stop=())
+    assert never.shape == (1, NEW_TOKENS)
+
+
+def test_the_model_stops_at_its_configs_eos_by_default():
+    hf, _ = _models(False)
+    config = hf.config.to_dict()
+    ours = Gemma4.from_params(config, tree_of(hf.state_dict()), generation_config=None)
+    assert ours.stop == (1,) and ours.pad == 0  # Gemma4TextConfig's eos and pad
+    g = {"eos_token_id": [1, 106, 50], "pad_token_id": 3}
+    named = Gemma4.from_params(config, tree_of(hf.state_dict()), generation_config=g)
+    assert named.stop == (1, 106, 50) and named.pad == 3
+
+
+def test_sampling_with_top_k_one_is_greedy_and_a_seed_repeats():
+    from ref.gemma4.decoding import Sampling
+
+    hf, ours = _models(True)
+    rng = np.random.default_rng(4)
+    ids = prompt(rng, 9, [], 96)[None]
+    greedy = ours.generate(ids, max_new_tokens=8, stop=())
+    top1 = ours.generate(ids, max_new_tokens=8, stop=(), sampling=Sampling(0.7, 1, 0.9, seed=5))
+    np.testing.assert_array_equal(top1, greedy)
+    hot = Sampling(temperature=5.0, top_k=0, top_p=1.0, seed=5)
+    a = ours.generate(ids, max_new_tokens=8, stop=(), sampling=hot)
+    np.testing.assert_array_equal(a, ours.generate(ids, max_new_tokens=8, stop=(), sampling=hot))
+    other = ours.generate(ids, max_new_tokens=8, stop=(), sampling=Sampling(5.0, 0, 1.0, seed=6))
+    assert (a != greedy).any() and (a != other).any()
