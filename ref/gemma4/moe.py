@@ -83,7 +83,7 @@ def gather(x, gate_up, down, weights, index):
     return jnp.sum(y, axis=1).astype(x.dtype)
 
 
-def _per_core(w, num_nsp):
+def per_core(w, num_nsp):
     """[E, ...] → [num_nsp, E / num_nsp, ...]: expert s·num_nsp + c is core c's slot s
     (QEfficient's `view(local_experts, num_nsp, …).transpose(0, 1)`)."""
     return jnp.swapaxes(w.reshape(w.shape[0] // num_nsp, num_nsp, *w.shape[1:]), 0, 1)
@@ -118,12 +118,12 @@ def nsp(x, gate_up, down, weights, index, *, num_nsp, packed_chunk):
     e = gate_up.shape[0]
     MoeMode("nsp", num_nsp, packed_chunk).check(e, t)
     acc = _accumulator(x)
-    gu = _per_core(jnp.swapaxes(gate_up, 1, 2).astype(x.dtype), num_nsp)  # [C, L, D, 2I]
-    dn = _per_core(jnp.swapaxes(down, 1, 2).astype(x.dtype), num_nsp)  # [C, L, I, D]
+    gu = per_core(jnp.swapaxes(gate_up, 1, 2).astype(x.dtype), num_nsp)  # [C, L, D, 2I]
+    dn = per_core(jnp.swapaxes(down, 1, 2).astype(x.dtype), num_nsp)  # [C, L, I, D]
     hot = _onehot(index, e, jnp.int32)  # [T, K, E]
     # routed from the picks, not from weight > 0 as QEfficient: per_expert_scale may be ≤ 0
-    routed = _per_core(jnp.transpose(jnp.sum(hot, axis=1) > 0), num_nsp)  # [C, L, T]
-    rw = _per_core(jnp.transpose(combine(weights, index, e)), num_nsp)  # [C, L, T]
+    routed = per_core(jnp.transpose(jnp.sum(hot, axis=1) > 0), num_nsp)  # [C, L, T]
+    rw = per_core(jnp.transpose(combine(weights, index, e)), num_nsp)  # [C, L, T]
     out = jnp.zeros((num_nsp, t, d), acc)
     cores = lax.broadcasted_iota(jnp.int32, (num_nsp, packed_chunk), 0)
     rows = lax.broadcasted_iota(jnp.int32, (1, packed_chunk), 1)
