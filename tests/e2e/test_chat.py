@@ -14,10 +14,11 @@ from codegen import chat
 from codegen.__main__ import main
 from codegen.defaults import CHAT_TEMPLATE
 from codegen.export import ExportOptions, export
+from codegen.runtime import Runner
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
-from tests.text_oracle import hf_model, text_config
+from tests.text_oracle import hf_generate, hf_model, text_config
 from tests.util import examples
 
 BUDGET, PATCH = 70, 2
@@ -157,3 +158,29 @@ def test_run_renders_the_template_and_gives_transformers_tokens(exported, tmp_pa
     plain = ["run", str(out), "--image", str(path), "--prompt", text, "--no-chat"]
     assert main([*plain, "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] != ",".join(str(int(t)) for t in want)
+
+
+def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsys):
+    """A stop id the model emits mid-generation (`--eos-id`) ends `run` where transformers'
+    generate ends; a seeded --sample repeats itself and top-k 1 is greedy."""
+    model, out = exported
+    ids = [2, 9, 10, 11, 12]
+    row = np.array(ids)
+    free, _ = hf_generate(model, row, [], [], 12, eos=None)
+    stop = int(free[4])
+    want, _ = hf_generate(model, row, [], [], 12, eos=stop)
+    assert len(want) <= 5
+    run = ["run", str(out), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "12"]
+    assert main([*run, "--eos-id", str(stop), "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+    got = Runner(out, check_shards=False).generate([row], max_new_tokens=12, stop=(stop,))
+    np.testing.assert_array_equal(got, want[None])  # ends there: no step after the stop id
+    greedy = ",".join(str(int(t)) for t in free)
+    assert main([*run, "--ignore-eos", "--sample", "--top-k", "1", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == greedy
+    drawn = []
+    for seed in ("4", "4", "5"):
+        hot = ["--ignore-eos", "--temperature", "4.0", "--top-k", "0", "--seed", seed, "--quiet"]
+        assert main([*run, *hot]) == 0
+        drawn.append(capsys.readouterr().out.splitlines()[-1])
+    assert drawn[0] == drawn[1] != drawn[2] and drawn[0] != greedy

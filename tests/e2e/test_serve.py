@@ -196,3 +196,35 @@ def test_prefill_only_hands_its_cache_to_decode_only(served, tmp_path):
     export(ExportOptions(out=other, model=runner.folder, **options), log=print)
     with pytest.raises(RunError, match="KV-cache layout"):
         Runner(sides["prefill"], decode_folder=other)
+
+
+def test_serve_stops_at_a_stop_id_and_hands_the_slot_over(served, capsys):
+    """A stop id the model emits mid-generation: each request ends at its first one (kept),
+    as transformers ends it alone, and the request waiting for a slot joins at the step after
+    the first to stop; without stop ids every request runs to its limit."""
+    hf, runner = served
+    assert runner.stop == (1,)  # save_pretrained's generation_config.json: Gemma 4's <eos>
+    rng = np.random.default_rng(12)
+    rows = [prompt(rng, n, [], 96) for n in (7, 9, 11, 5)]
+    free, _ = hf_generate(hf, rows[0], [], [], 8, eos=None)
+    stop = int(free[2])
+    want = [hf_generate(hf, r, [], [], 8, eos=stop)[0] for r in rows]
+    assert len(want[0]) <= 3 and want[0][-1] == stop
+    requests = [Request(r, [], 8) for r in rows]  # 3 slots: request 3 waits
+    got, timeline = runner.serve(requests, stop=(stop,))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
+    # request i holds slot i; a joining request gets its prefill's token and one decode step's,
+    # so its last token comes at step len − 2 (0 for one token), and the slot is free after it
+    ends = [max(len(w) - 1, 1) for w in want[:3]]
+    first = min(range(3), key=lambda i: (ends[i], i))
+    step = ends[first]
+    assert timeline[step].startswith(f"step {step}: request 3 joins slot {first}"), timeline
+    never, _ = runner.serve(requests, stop=())
+    assert [len(t) for t in never] == [8] * 4
+    # the command line: --eos-id, two rows padded after the stop id, printed without the padding
+    args = ["run", runner.folder, "--prompt-ids", ",".join(map(str, rows[0]))]
+    args += ["--prompt-ids", ",".join(map(str, rows[1])), "--max-new-tokens", "8"]
+    assert main([*args, "--eos-id", str(stop), "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [",".join(str(int(t)) for t in w) for w in want[:2]]
