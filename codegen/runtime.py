@@ -227,7 +227,8 @@ class Runner:
                 slots_now = sorted(slot_of[r] for r in decoding_now)
                 events.append(f"decode slots {slots_now}{self._ccl_note('decode')}")
             for r in [r for r in slot_of if self._finished(requests[r], tokens[r], stop)]:
-                events.append(f"request {r} leaves slot {slot_of.pop(r)}")
+                why = f"stop id {tokens[r][-1]}" if tokens[r][-1] in stop else "max_new_tokens"
+                events.append(f"request {r} leaves slot {slot_of.pop(r)} at {why}")
             timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
             log(timeline[-1])
             t += 1
