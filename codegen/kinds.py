@@ -26,7 +26,8 @@ def _language(config, shapes, name, o, use_functions):
     return model_graphs.model_graph(
         config, shapes, phase=name, budgets=o["budgets"], sliding_ring=o["sliding_ring"],
         full_batch_size=o["full_batch_size"], folded_cache=o["folded_cache"],
-        comp_ctx_lengths=tuple(o["comp_ctx_lengths"]), **_shared(o, use_functions),
+        comp_ctx_lengths=tuple(o["comp_ctx_lengths"]), moe=o["moe"],
+        **_shared(o, use_functions),
     )  # fmt: skip
 
 

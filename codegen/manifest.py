@@ -16,8 +16,13 @@ FORMAT = "gemma4-qaic-export/1"
 
 # graph options older exports did not record, with the meaning they had then: the vision graph
 # attended with the dense mask (one tile each way); no continuous batching, no folded cache,
-# no compute context lengths
-_LANGUAGE = {"full_batch_size": None, "folded_cache": False, "comp_ctx_lengths": []}
+# no compute context lengths; every expert on every token
+_LANGUAGE = {
+    "full_batch_size": None,
+    "folded_cache": False,
+    "comp_ctx_lengths": [],
+    "moe": "dense",
+}
 _OPTION_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": _LANGUAGE, "decode": _LANGUAGE}
 
 

@@ -28,6 +28,7 @@ from codegen.graphs import (
     route_layers,
     text_config,
 )
+from ref import moe_modes
 from ref.attention import blocked, reference
 from ref.gemma4 import text as T
 from ref.gemma4.params import TEXT, nested, text_param_shapes
@@ -59,6 +60,28 @@ def phase_blocking(mode, options, *, prefill, batch, queries, kv_len):
             "of such an export holds its cache folded too"
         )
     return config
+
+
+def phase_moe(given, phase, cfg, *, num_cores, tokens):
+    """A phase's MoE mode as text (`ref.moe_modes`): `given`, nsp's counts left out taking
+    num_nsp = num_cores and packed_chunk 256 when it divides the step's `tokens` (batch ×
+    seq_len), else all of them in one chunk; or, given None, what QEfficient compiles: decode
+    gather, prefill nsp over num_cores when that divides the experts (dense otherwise, and
+    without a MoE block). Whether the mode fits the graph, `model_graph` checks."""
+    if given is None:
+        if not cfg.enable_moe_block:
+            return "dense"
+        if phase == "decode":
+            return "gather"
+        if cfg.num_experts % num_cores:
+            return "dense"
+        given = "nsp"
+    chunk = moe_modes.NSP_DEFAULTS["packed_chunk"]
+    chunk = chunk if tokens % chunk == 0 else tokens
+    try:
+        return str(moe_modes.parse(given, num_nsp=num_cores, packed_chunk=chunk))
+    except ValueError as e:
+        raise GraphError(f"--moe-{phase} {given}: {e}") from e
 
 
 def folds_cache(mode, options, *, batch, ctx_len):
@@ -165,6 +188,7 @@ def model_graph(
     full_batch_size=None,
     folded_cache=False,
     comp_ctx_lengths=(),
+    moe="dense",
     use_functions=True,
 ):
     """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
@@ -180,7 +204,8 @@ def model_graph(
     comp_ctx_lengths: compute context lengths K (QEfficient's CCL): the graph takes an input
     `comp_ctx_lengths` [K] (int64, its length read only) and attends to the first K cache
     slots (`apply_step`'s key_len), one specialization per K (× vision budget); every
-    position of a step must be < K (the runner picks the least K above them).
+    position of a step must be < K (the runner picks the least K above them). moe: how the
+    experts run (`ref.moe_modes` text; nsp's counts must divide the experts and batch × seq_len).
     """
     if full_batch_size is not None:
         if full_batch_size < batch_size:
@@ -203,6 +228,10 @@ def model_graph(
     for budget in budgets if vision else ():
         if not budget < ctx_len:
             raise GraphError(f"vision_size {budget} must be < ctx_len {ctx_len}")
+    try:
+        experts = moe_modes.for_phase(moe, phase, cfg.num_experts, batch_size * seq_len)
+    except ValueError as e:
+        raise GraphError(f"{phase} graph: {e}") from e
     window = min(cfg.sliding_window, ctx_len)
     config = phase_blocking(
         mode,
@@ -280,6 +309,7 @@ def model_graph(
                     attention=attention,
                     last_only=True,
                     key_len=key_len,
+                    moe=experts,
                 )
             new = out["cache"]
             flat = [out["logits"]] + ([out["image_idx"]] if vision else [])
@@ -325,6 +355,7 @@ def model_graph(
             "full_batch_size": full_batch_size,
             "folded_cache": folded,
             "comp_ctx_lengths": list(ccls),
+            "moe": str(experts),
             "layer_functions": sorted(set(kinds)),
         },
         inputs=ids + cache_in,

@@ -447,6 +447,8 @@ def test_help_documents_every_option(capsys):
         "clip_fp16": "--clip-fp16",
         "comp_ctx_lengths_prefill": "--comp-ctx-lengths-prefill",
         "comp_ctx_lengths_decode": "--comp-ctx-lengths-decode",
+        "moe_prefill": "--moe-prefill",
+        "moe_decode": "--moe-decode",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:
