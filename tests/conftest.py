@@ -66,6 +66,8 @@ SLOWEST_FIRST = [
     "test_vision.py",
     "test_generate.py",
     "test_text.py",
+    "test_moe_export.py",
+    "test_moe.py",
     "test_mesh.py",
     "test_cache.py",
     "test_codegen_checks.py",

@@ -90,8 +90,10 @@ def test_run_tokens_equal_transformers_and_ops_stay_allowed(key, saved, tmp_path
         assert ops <= ALLOWED_OPS and not ops & {"Loop", "Scan", "If", "OneHot"}, ops
         # nsp packs each expert's tokens with a CumSum inside the layer; gather does not
         assert ("CumSum" in layer_ops) == g["options"]["moe"].startswith("nsp"), g["name"]
-    rows = verify(out, check_shards=False)  # whole graphs against `ref` in the recorded modes
-    assert {r[0] for r in rows} == {"prefill", "decode"} and all(r[-1] for r in rows), rows
+    # whole graphs against `ref` in the recorded modes (e8k2's nsp prefill: layer by layer)
+    graphs = ["decode"] if key == "e8k2" else ["prefill", "decode"]
+    rows = verify(out, check_shards=False, graphs=graphs)
+    assert {r[0] for r in rows} == set(graphs) and all(r[-1] for r in rows), rows
     rng = np.random.default_rng(7)
     prompts = [rng.integers(FIRST_TEXT, 96, n) for n in (13, 6)]
     want = [hf_generate(hf, p, [], [], NEW_TOKENS)[0] for p in prompts]

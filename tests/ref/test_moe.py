@@ -108,7 +108,7 @@ def _run(mode, x, gate_up, down, weights, index):
 
 
 @pytest.mark.parametrize("name", MODES)
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(10))
 @given(problem=problems())
 def test_mode_equals_dense_and_the_oracle_float64(name, problem):
     x, (gate_up, down), (proj, scale, per_expert), top_k, num_nsp, chunk = problem
@@ -150,7 +150,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("name", MODES)
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(10))
 @given(problem=routings())
 def test_mode_on_drawn_routings_equals_the_oracle(name, problem):
     x, gate_up, down, weights, picks, num_nsp, chunk = problem
@@ -263,11 +263,10 @@ def _models(key):
     return _MODELS[key]
 
 
-@pytest.mark.parametrize("key", sorted(CONFIGS))
-def test_a_padded_batch_step_is_the_same_in_every_mode_float64(key):
+def test_a_padded_batch_step_is_the_same_in_every_mode_float64():
     """Batch 2, 8 columns, row 1 padded after 5 (position −1): logits and cache of each mode
-    equal dense's in float64."""
-    _, ours, config = _models(key)
+    equal dense's in float64 (16 experts top-4)."""
+    _, ours, config = _models("e16k4")
     p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), ours.params)
     rng = np.random.default_rng(1)
     ids = rng.integers(FIRST_TEXT, 96, (2, 8)).astype(np.int32)
