@@ -145,7 +145,7 @@ class Gemma4:
         input_ids: [B, L], each image already a run of image tokens; patches/grids: the
         images in order of appearance, row by row, as `VisionTower.embed` takes them;
         options: those of `generate_embedded` (max_new_tokens, chunk_size, prefill_blocking,
-        decode_blocking, lengths, sliding_ring, stop, pad, sampling).
+        decode_blocking, lengths, sliding_ring, stop, pad, sampling, moe_prefill, moe_decode).
         """
         images = []
         if grids:
