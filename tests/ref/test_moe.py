@@ -19,7 +19,7 @@ from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import Gemma4
 from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
-from ref.moe_modes import MoeMode, parse
+from ref.moe_modes import MoeMode, for_phase, parse
 from tests.hf_vision import tree_of
 from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, text_config
 from tests.util import examples, jitted
@@ -283,6 +283,18 @@ def test_a_padded_batch_step_is_the_same_in_every_mode_float64():
         for kind in ("k", "v"):
             for layer, a in out["cache"][kind].items():
                 np.testing.assert_allclose(a, dense["cache"][kind][layer], atol=1e-12)
+
+
+def test_generate_refuses_a_mode_that_cannot_apply():
+    _, ours, _ = _models("e8k2")
+    ids = np.full((1, 6), FIRST_TEXT)
+    with pytest.raises(ValueError, match="moe_prefill='nsp:num_nsp=3': .* does not divide the 8"):
+        ours.generate(ids, max_new_tokens=2, moe_prefill="nsp:num_nsp=3")
+    with pytest.raises(ValueError, match="moe_decode='nsp:num_nsp=2,packed_chunk=2': .* the 1 "):
+        ours.generate(ids, max_new_tokens=2, moe_decode="nsp:num_nsp=2,packed_chunk=2")
+    with pytest.raises(ValueError, match="moe_decode='gather': the model has no MoE block"):
+        for_phase("gather", "decode", 0, 1)
+    assert for_phase(None, "decode", 0, 1) == MoeMode()
 
 
 # (config, batch, chunk_size, moe_prefill, moe_decode)
