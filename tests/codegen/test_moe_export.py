@@ -15,7 +15,7 @@ from codegen.graphs import GraphError
 from codegen.manifest import load
 from codegen.ops import ALLOWED_OPS
 from codegen.runtime import Runner
-from codegen.verify import verify
+from codegen.verify import opened, verify
 from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, text_config
 
 NEW_TOKENS = 8
@@ -107,6 +107,12 @@ def test_verify_layer_by_layer_rebuilds_the_modes(saved, tmp_path_factory):
     _, out = _export(saved, "e8k2", tmp_path_factory)
     rows = verify(out, check_shards=False, layerwise_given=True, graphs=["prefill"])
     assert rows and all(r[-1] for r in rows), rows
+    # every mode gives dense's numbers, so only the rebuilt spec shows which mode verify ran
+    _, _, chosen = opened(out, False, None, None)
+    assert {e.name: s.options["moe"] for e, s, _ in chosen} == {
+        "prefill": "nsp:num_nsp=4,packed_chunk=4",
+        "decode": "gather",
+    }
 
 
 def test_defaults_are_what_qefficient_compiles(saved):
