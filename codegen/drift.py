@@ -112,8 +112,10 @@ def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0):
     for _ in range(prompts):
         ids, patches, grids = random_prompt(model, rng)
         exact.logits, device.logits = [], []
-        want = exact.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
-        got = device.generate(ids[None], patches, grids, max_new_tokens=max_new_tokens)[0]
+        # no stop ids: both sides run max_new_tokens, compared step by step
+        fixed = dict(max_new_tokens=max_new_tokens, stop=())
+        want = exact.generate(ids[None], patches, grids, **fixed)[0]
+        got = device.generate(ids[None], patches, grids, **fixed)[0]
         differ = np.flatnonzero(want != got)
         first = int(differ[0]) if differ.size else None
         gap = None
