@@ -77,9 +77,9 @@ def _run_drift(args):
         raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")
     rows = drift(
         model, prompts=args.prompts, precision=args.precision, kv_dtype=args.kv_dtype,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, mxfp6=args.mxfp6,
     )  # fmt: skip
-    print(drift_table(rows, args.precision, args.kv_dtype))
+    print(drift_table(rows, args.precision, args.kv_dtype, args.mxfp6))
     return 0
 
 

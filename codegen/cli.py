@@ -373,6 +373,15 @@ def parser():
     d.add_argument("--precision", choices=formats.with_aliases(formats.LOW), default="float16")
     d.add_argument("--kv-dtype", choices=formats.KV, default="float16")
     d.add_argument("--seed", type=int, default=0, help="random prompt seed (default 0)")
+    d.add_argument(
+        "--mxfp6",
+        nargs="?",
+        const="e2m3",
+        choices=("e2m3", "e3m2"),
+        help="the device side's matmul weights stored as MXFP6 (QAIC's -mxfp6-matmul; OCP MX "
+        "v1.0, blocks of 32 along the reduction axis): element format e2m3 (the default) or "
+        "e3m2, an assumption: Qualcomm does not publish it (docs/precision.md)",
+    )
     _kit_parsers(sub)
     return p
 

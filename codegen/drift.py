@@ -1,7 +1,9 @@
 """`python -m codegen drift`: greedy tokens of float32 `ref` against the device model of
 `ref.numerics` (every tensor in the compute format, the KV cache stored in `--kv-dtype`
-between steps) over random prompts with an image each (docs/precision.md)."""
+between steps, with `--mxfp6` the matmul weights stored as MXFP6: `ref.mxfp6`) over random
+prompts with an image each (docs/precision.md)."""
 
+import copy
 from functools import partial
 
 import jax
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from codegen.precision import table
+from ref import mxfp6 as mx
 from ref import numerics
 from ref.gemma4.step import apply_step
 from ref.gemma4.tower import tower_apply
@@ -56,14 +59,30 @@ class DeviceVision:
         return [out[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
+def with_mxfp6(model, element):
+    """A copy of a `Gemma4` whose matmul weights (text, lm_head, vision tower and
+    embed_vision) are as MXFP6 stores them (`ref.mxfp6.matmul_weights`); the model unchanged."""
+    other = copy.copy(model)
+    other.params = mx.matmul_weights(model.params, element)
+    if model.lm_head is not None:
+        other.lm_head = mx.round_trip(model.lm_head, element)
+    if model.vision is not None:
+        other.vision = copy.copy(model.vision)
+        other.vision.params = mx.matmul_weights(model.vision.params, element)
+        other.vision.embed_params = mx.matmul_weights(model.vision.embed_params, element)
+    return other
+
+
 class DeviceGemma4:
     """A `Gemma4` whose every text step (and vision tower) runs in the device model: compute
-    in `precision`, KV cache stored as `kv_dtype` (`Gemma4.with_step`); records each step's
-    logits in `self.logits`."""
+    in `precision`, KV cache stored as `kv_dtype` (`Gemma4.with_step`), matmul weights as
+    MXFP6 with element `mxfp6` when given; records each step's logits in `self.logits`."""
 
-    def __init__(self, model, precision, kv_dtype):
+    def __init__(self, model, precision, kv_dtype, mxfp6=None):
         self.precision = numerics.format_name(precision)
         self.kv_dtype = numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+        if mxfp6 is not None:
+            model = with_mxfp6(model, mxfp6)
         vision = None if model.vision is None else DeviceVision(model.vision, self.precision)
         self.model = model.with_step(self._step, vision)
         self.vision = self.model.vision
@@ -101,11 +120,12 @@ def random_prompt(model, rng, *, text_len=6):
     return np.asarray(ids, np.int32), [patches], [grid]
 
 
-def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0):
-    """Greedy tokens of float32 `model` against the device model over `prompts` random prompts
-    with an image each → list of per-prompt dicts: agree (tokens equal), first divergence
-    step (None if none), the float32 top-2 logit gap there."""
-    device = DeviceGemma4(model, precision, kv_dtype)
+def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0, mxfp6=None):
+    """Greedy tokens of float32 `model` against the device model (matmul weights as MXFP6 with
+    element `mxfp6` when given) over `prompts` random prompts with an image each → list of
+    per-prompt dicts: agree (tokens equal), first divergence step (None if none), the float32
+    top-2 logit gap there."""
+    device = DeviceGemma4(model, precision, kv_dtype, mxfp6)
     exact = DeviceGemma4(model, "float32", "float32")
     rng = np.random.default_rng(seed)
     rows = []
@@ -127,7 +147,7 @@ def drift(model, *, prompts, precision, kv_dtype, max_new_tokens=8, seed=0):
     return rows
 
 
-def drift_table(rows, precision, kv_dtype):
+def drift_table(rows, precision, kv_dtype, mxfp6=None):
     """The `drift` report: one row per prompt and the agreement rate."""
     body = [
         (i, f"{r['agree']}/{r['total']}", "-" if r["first"] is None else r["first"],
@@ -140,7 +160,8 @@ def drift_table(rows, precision, kv_dtype):
     head = ("prompt", "tokens equal", "first divergence", "float32 top-2 gap there")
     return "\n".join(
         [
-            f"float32 vs {precision} compute, KV cache {kv_dtype}",
+            f"float32 vs {precision} compute, KV cache {kv_dtype}"
+            + ("" if mxfp6 is None else f", MXFP6 ({mxfp6}) matmul weights"),
             table(head, body),
             f"agreement {agree}/{total} = {agree / total:.1%}; {same}/{len(rows)} prompts "
             "identical",

@@ -4,7 +4,7 @@ catching a checkpoint that overflows float16 in the vision standardize step."""
 
 import math
 from fractions import Fraction
-from functools import partial
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
@@ -307,3 +307,34 @@ def test_block_ordering_stays_finite_in_float16():
     want = np.einsum("bhqk,bhkd->bhqd", w, vb.astype(np.float64))
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() <= FP16_BOUND * np.abs(want).max()
+
+
+def test_mxfp6_weights_move_the_logits_by_their_rounding(default_model, capsys):
+    """`drift --mxfp6`: the device side's matmul weights as MXFP6 stores them (the float32
+    compute otherwise ref's): the weights are `ref.mxfp6`'s round trip, the embedding table
+    untouched, and the first logits move by more than float32 noise and less than the weights'
+    own rounding allows; E3M2 (one mantissa bit fewer) moves them more than E2M3."""
+    from codegen.__main__ import main
+    from codegen.defaults import default_checkpoint
+    from codegen.drift import DeviceGemma4, random_prompt, with_mxfp6
+    from ref import mxfp6
+
+    stored = with_mxfp6(default_model, "e2m3")
+    q = ("layers", "0", "self_attn", "q_proj", "weight")
+    pick = lambda tree: reduce(lambda t, k: t[k], q, tree)  # noqa: E731
+    np.testing.assert_array_equal(pick(stored.params), mxfp6.round_trip(pick(default_model.params)))
+    assert stored.params["embed_tokens"]["weight"] is default_model.params["embed_tokens"]["weight"]
+    ids, patches, grids = random_prompt(default_model, np.random.default_rng(2))
+    errors = {}
+    for element in (None, "e2m3", "e3m2"):
+        device = DeviceGemma4(default_model, "float32", "float32", element)
+        device.generate(ids[None], patches, grids, max_new_tokens=1, stop=())
+        errors[element] = device.logits[0]
+    scale = np.max(np.abs(errors[None]))
+    e2 = np.max(np.abs(errors["e2m3"] - errors[None])) / scale
+    e3 = np.max(np.abs(errors["e3m2"] - errors[None])) / scale
+    assert 1e-4 < e2 < e3 < 0.5, (e2, e3)
+    argv = ["drift", "--model", str(default_checkpoint()), "--prompts", "1", "--mxfp6"]
+    assert main([*argv, "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "float32 vs float16 compute, KV cache float16, MXFP6 (e2m3) matmul weights"
