@@ -9,7 +9,7 @@ from codegen.cli import parser
 
 def _run_kit(args):
     """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
-    from codegen import plan, plan_draw, vector_options, vectors
+    from codegen import moe_plan, plan, plan_draw, vector_options, vectors
 
     sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
     try:
@@ -21,7 +21,7 @@ def _run_kit(args):
             print(f"wrote {args.out / 'vectors.safetensors'} and {args.out / 'vectors.json'}")
             return 0
         mode, options = vector_options.resolve(args.op, args.mode, given)
-        result = plan.report(mode, options, args.dtype)
+        result = (moe_plan if args.op == "moe" else plan).report(mode, options, args.dtype)
         print(result["table"])
         if args.png is not None:
             info = plan_draw.draw(args.png, result, options)

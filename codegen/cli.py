@@ -388,15 +388,17 @@ def parser():
 
 def _kit_parsers(sub):
     """`vectors` and `plan`: the kernel author's kit (codegen/vectors.py, codegen/plan.py)."""
-    from codegen.vector_options import ATTENTION_MODES, OPS
+    from codegen.vector_options import OP_MODES, OPS
+
+    modes = "; ".join(f"{op}: {', '.join(m)} (default {m[0]})" for op, m in OP_MODES.items())
 
     def common(q, ops):
         q.add_argument("--op", choices=ops, default="attention", help="the op (attention)")
         q.add_argument(
             "--mode",
             metavar="MODE",
-            help=f"attention only: {', '.join(ATTENTION_MODES)} (default dense); block counts "
-            "left out take the mode's defaults in ref.blocking.TABLE",
+            help=f"{modes}; block counts left out take the mode's defaults in "
+            "ref.blocking.TABLE (nsp: num_nsp=2, packed_chunk=4)",
         )
         q.add_argument(
             "--opt",
@@ -404,7 +406,8 @@ def _kit_parsers(sub):
             default=[],
             metavar="K=V",
             help="an option of the op (repeatable): sizes, mask (q_start, sliding_window, "
-            "vision, softcap, scale), any BlockingConfig field; see docs/blocking.md",
+            "vision, softcap, scale), any BlockingConfig field; moe: tokens, hidden, experts, "
+            "intermediate, top_k, hot, num_nsp, packed_chunk; see docs/blocking.md",
         )
         for name in ("batch", "heads", "kv_heads", "seq", "ctx", "head_dim"):
             flag = "--" + name.replace("_", "-")
@@ -416,8 +419,8 @@ def _kit_parsers(sub):
     vec.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
     vec.add_argument("--fp16", action="store_true", help="add float16 inputs and out_f16")
     vec.add_argument("--bf16", action="store_true", help="add bfloat16 inputs and out_bf16")
-    pl = sub.add_parser("plan", help="one attention mode's schedule: cost table and picture")
-    common(pl, ("attention",))
+    pl = sub.add_parser("plan", help="one attention or MoE mode's schedule: costs and picture")
+    common(pl, tuple(OP_MODES))
     pl.add_argument("--png", type=Path, help="draw the schedule to this PNG file")
     pl.add_argument(
         "--dtype",

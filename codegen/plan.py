@@ -197,7 +197,7 @@ def costs(plan, tiles, head_dim, itemsize):
     return per, total
 
 
-def _si(x):
+def si(x):
     """1234567 → '1.23M' (exact below 10 000)."""
     if x < 10_000:
         return str(int(x))
@@ -223,8 +223,8 @@ def _row(label, tile, cost):
     tiles = f"{cost.computed}/{cost.empty}/{cost.skipped}"
     return (
         f"{label:>5} {where[0]:>6} {where[1]:>9} {where[2]:>5} {where[3]:>8} {tiles:>12} "
-        f"{_si(cost.qk_flops):>10} {_si(cost.pv_flops):>10} {_si(cost.exps):>8} "
-        f"{_si(cost.bytes):>9} {_si(cost.peak):>9}"
+        f"{si(cost.qk_flops):>10} {si(cost.pv_flops):>10} {si(cost.exps):>8} "
+        f"{si(cost.bytes):>9} {si(cost.peak):>9}"
     )
 
 

@@ -106,14 +106,17 @@ def _draw_flow(ax, tiles, plan, t_len, margin):
 
 
 def draw(path, result, options, max_panels=16):
-    """Draw the schedule to a PNG at `path`; returns {"tiles": drawn, "tiles_total": ...,
-    "panels": drawn, "panels_total": ...} (also written into the PNG's Description)."""
+    """Draw the schedule (attention; MoE: `draw_moe`) to a PNG at `path`; returns {"tiles":
+    drawn, "tiles_total": ..., "panels": drawn, "panels_total": ...} (also written into the
+    PNG's Description)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
+    if result.get("op") == "moe":
+        return draw_moe(path, result)
     plan, tiles, visible = result["plan"], result["tiles"], result["visible"]
     _, h, hkv, s, t_len, _ = attention_sizes(options)
     q_pos = attention_positions(options)[0]
@@ -169,12 +172,14 @@ def draw(path, result, options, max_panels=16):
         title=flow,
         title_fontsize=7,
     )
-    info = {
-        "tiles": drawn,
-        "tiles_total": len(tiles),
-        "panels": len(shown),
-        "panels_total": len(panels),
-    }
+    return _save(fig, path, drawn, len(tiles), len(shown), len(panels))
+
+
+def _save(fig, path, drawn, total, panels, panels_total):
+    """Write the figure (its counts in the PNG's Description) and close it → the counts."""
+    from matplotlib import pyplot as plt
+
+    info = {"tiles": drawn, "tiles_total": total, "panels": panels, "panels_total": panels_total}
     fig.savefig(path, dpi=90, metadata={"Software": None, "Description": json.dumps(info)})
     plt.close(fig)
     return info
@@ -189,3 +194,75 @@ def _wrap(text, width=120):
         else:
             line = f"{line} {w}".strip()
     return "\n".join([*lines, line])
+
+
+def draw_moe(path, result, max_panels=16):
+    """An MoE schedule (`codegen.moe_plan.report`) to a PNG: one panel per core, a row per
+    expert it holds, each item a box over the rows it computes (dense: tokens; gather: picks
+    of each token, one panel row per token; nsp: packed rows) filled as far as its rows are
+    routed tokens, numbered in execution order → the same dict as `draw`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    items, mode = result["items"], result["mode"]
+    cores = sorted({i.core for i in items})
+    shown = cores[:max_panels]
+    cols = min(len(shown), 4)
+    rows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(max(3.4 * cols, 8.5), 2.8 * rows + 1.6), squeeze=False,
+        layout="constrained",
+    )  # fmt: skip
+    drawn = 0
+    for ax, core in zip(axes.flat, shown, strict=False):
+        mine = [i for i in items if i.core == core]
+        lane = (lambda i: i.token) if mode.name == "gather" else (lambda i: i.slot)
+        lanes = sorted({lane(i) for i in mine})
+        width = max(i.rows[1] for i in mine)
+        size = 8 if len(mine) <= 16 else 6
+        for item in mine:
+            y = lanes.index(lane(item))
+            (a, b), full = item.rows, item.rows[1] - item.rows[0]
+            box = Rectangle((a, y), b - a, 0.8, facecolor="none", edgecolor="black", lw=1.2)
+            box.set_gid("tile")
+            ax.add_patch(box)
+            ax.add_patch(
+                Rectangle((a, y), full * item.routed / full if full else 0, 0.8,
+                          facecolor=_ALL_ROWS, lw=0)
+            )  # fmt: skip
+            label = f"{item.order}\ne{item.expert}" if mode.name != "dense" else str(item.order)
+            ax.text((a + b) / 2, y + 0.4, label, ha="center", va="center", fontsize=size)
+            drawn += 1
+        ax.set_xlim(0, width)
+        ax.set_ylim(len(lanes), 0)
+        ax.set_yticks([n + 0.4 for n in range(len(lanes))])
+        names = {"gather": "token {}", "dense": "expert {}"}.get(mode.name, "slot {}")
+        ticks = [names.format(v) for v in lanes]
+        if mode.name == "nsp":
+            ticks = [f"slot {v}: e{v * mode.num_nsp + core}" for v in lanes]
+        ax.set_yticklabels(ticks, fontsize=7)
+        ax.tick_params(labelsize=7)
+        xlabel = {"dense": "token", "gather": "pick k"}.get(mode.name, "packed row")
+        ax.set_xlabel(xlabel, fontsize=7)
+        ax.set_title(f"core {core}" if mode.name == "nsp" else f"{mode.name}: one core", fontsize=8)
+    for ax in axes.flat[len(shown) :]:
+        ax.axis("off")
+    total, dense = result["total"], result["dense"]
+    more = "" if len(shown) == len(cores) else f"; first {len(shown)} of {len(cores)} cores"
+    fig.suptitle(
+        _wrap(result["title"], 110) + f"\n{len(items)} items; FLOPs "
+        f"{ratio(total.flops, dense.flops)} of dense, weight bytes "
+        f"{ratio(total.weight_bytes, dense.weight_bytes)}{more}",
+        fontsize=9,
+    )
+    legend = [
+        Patch(facecolor=_ALL_ROWS, label="rows of routed tokens"),
+        Patch(
+            facecolor="white", edgecolor="black", label="rows computed (number = order; eN: expert)"
+        ),
+    ]
+    fig.legend(handles=legend, loc="outside lower center", ncol=2, fontsize=7)
+    return _save(fig, path, drawn, len(items), len(shown), len(cores))

@@ -14,9 +14,13 @@ from codegen.vector_options import (
     attention_sizes,
     blocking_config,
     grids,
+    moe_mode,
+    moe_routing,
+    moe_sizes,
 )
 from ref import cache
 from ref.attention import blocked, reference
+from ref.gemma4 import moe
 from ref.gemma4.packing import pack
 from ref.gemma4.vision import packed_attention, pool
 from ref.rope import axial_rope
@@ -231,9 +235,52 @@ def _rope2d_case(options, rng):
     )
 
 
+def _moe_case(mode, options, rng):
+    t, d, e, i, _ = moe_sizes(options)
+    how = moe_mode(mode, options)
+    weights, index = moe_routing(options, rng)
+    floats = {
+        "x": rng.standard_normal((t, d)),
+        "gate_up": rng.standard_normal((e, 2 * i, d)),
+        "down": rng.standard_normal((e, d, i)),
+        "weights": weights,
+    }
+
+    def run(a, _):
+        return moe.run(how, a["x"], a["gate_up"], a["down"], a["weights"], a["index"])
+
+    return Case(
+        floats=floats,
+        ints={"index": index},
+        layouts={
+            "x": "[T, D] (token rows of the step)",
+            "gate_up": "[E, 2I, D] (the checkpoint's fused experts.gate_up_proj: gate rows "
+            "0:I, up rows I:2I)",
+            "down": "[E, D, I] (experts.down_proj)",
+            "weights": "[T, K] router weights of each token's picks",
+            "index": "[T, K] the picked experts (distinct per token)",
+        },
+        out_layout="[T, D]: sum over k of weights[t, k] * down[e] @ (gelu_tanh(gate[e] @ x[t]) "
+        "* (up[e] @ x[t])), e = index[t, k]",
+        reference=f"ref.gemma4.moe.run({str(how)!r}, x, gate_up, down, weights, index)",
+        run=run,
+        scalars={},
+        extra={
+            "moe_mode": str(how),
+            "inputs_note": "x, gate_up, down: standard normal (numpy default_rng(seed)); "
+            "index, weights: the top-k of standard normal router logits [T, E] and the softmax "
+            "over those k (ref.gemma4.moe.route with per_expert_scale 1), the first `hot` "
+            "tokens' first pick forced to expert 0; floats rounded to every precision asked for",
+            "routed_per_expert": np.bincount(index.reshape(-1), minlength=e).tolist(),
+        },
+    )
+
+
 def make_case(op, mode, options, rng):
     if op == "attention":
         return _attention_case(mode, options, rng)
+    if op == "moe":
+        return _moe_case(mode, options, rng)
     builders = {
         "cache_update": _cache_update_case,
         "vision_attention": _vision_attention_case,

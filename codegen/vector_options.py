@@ -8,13 +8,19 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ref import cache
+from ref import cache, moe_modes
 from ref.attention import mask
 from ref.blocking import MODES, BlockingConfig
 from ref.blocking import mode as blocking_mode
 
-OPS = ("attention", "cache_update", "vision_attention", "pool", "rope2d")
+OPS = ("attention", "cache_update", "vision_attention", "pool", "rope2d", "moe")
 ATTENTION_MODES = ("dense", *MODES)
+# The kit's one mode table: the ops that take --mode, their modes (the first is the default).
+# attention: ref.blocking's modes; moe: ref.moe_modes' (how QEfficient runs the experts).
+OP_MODES = {"attention": ATTENTION_MODES, "moe": moe_modes.NAMES}
+# The nsp mode's counts at the kit's small default sizes (4 experts over 8 tokens: 2 cores of
+# 2 slots, 2 chunks); QEfficient compiles ref.moe_modes.NSP_DEFAULTS (16 cores, 256 rows).
+NSP_KIT_DEFAULTS = {"num_nsp": 2, "packed_chunk": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,14 @@ def _blocking_options():
 
 
 BLOCKING_OPTIONS = _blocking_options()
+NSP_OPTIONS = {
+    "num_nsp": Option(None, "int", "nsp: cores the experts split over (expert s*num_nsp + c is "
+                      "core c's slot s)", True),
+    "packed_chunk": Option(None, "int", "nsp: rows of each chunk of an expert's packed tokens",
+                           True),
+}  # fmt: skip
+# Options set only by some modes: given for another mode they are refused by name.
+_MODE_OPTIONS = {**BLOCKING_OPTIONS, **NSP_OPTIONS}
 _GRIDS_HELP = "items' (h, w) patch grids, e.g. 3x3,3x6"
 
 OPTIONS = {
@@ -91,6 +105,17 @@ OPTIONS = {
         "grids": Option("3x6", "grids", _GRIDS_HELP + " (positions x = column, y = row)"),
         **_sizes(heads=2, head_dim=8),
         "theta": Option(100.0, "float", "RoPE base (Gemma 4 vision: 100)"),
+    },
+    "moe": {
+        "tokens": Option(8, "int", "T, token rows of the step (batch x seq_len)"),
+        "hidden": Option(8, "int", "D, hidden size"),
+        "experts": Option(4, "int", "E, experts"),
+        "intermediate": Option(4, "int", "I, each expert's intermediate size"),
+        "top_k": Option(2, "int", "K, experts per token"),
+        "hot": Option(
+            0, "int", "the first `hot` tokens all pick expert 0 first (a crowded expert)"
+        ),
+        **NSP_OPTIONS,
     },
 }
 
@@ -150,20 +175,20 @@ def parse_pairs(pairs):
 
 
 def resolve(op, mode=None, given=None):
-    """Every option of `op` with its value: defaults, the mode's block counts (attention:
-    `ref.blocking.TABLE`), then `given` ({name: text}). Returns (mode, options)
-    with options in declared order; blocking options only where set. ValueError names any
-    unknown op, mode or option, or a value of the wrong kind."""
+    """Every option of `op` with its value: defaults, the mode's counts (attention:
+    `ref.blocking.TABLE`; moe nsp: NSP_KIT_DEFAULTS), then `given` ({name: text}). Returns
+    (mode, options) with options in declared order; a mode's own options only where it uses
+    them. ValueError names any unknown op, mode or option, or a value of the wrong kind."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
-    if op == "attention":
-        mode = "dense" if mode is None else mode
-        if mode not in ATTENTION_MODES:
-            raise ValueError(
-                f"unknown attention mode {mode!r}; expected one of {', '.join(ATTENTION_MODES)}"
-            )
+    if op in OP_MODES:
+        modes = OP_MODES[op]
+        mode = modes[0] if mode is None else mode
+        if mode not in modes:
+            raise ValueError(f"unknown {op} mode {mode!r}; expected one of {', '.join(modes)}")
     elif mode is not None:
-        raise ValueError(f"--mode {mode!r} is only for --op attention, not --op {op}")
+        ops = " or ".join(f"--op {o}" for o in OP_MODES)
+        raise ValueError(f"--mode {mode!r} is only for {ops}, not --op {op}")
     known = OPTIONS[op]
     given = dict(given or {})
     for name in given:
@@ -174,7 +199,7 @@ def resolve(op, mode=None, given=None):
     parsed = {name: _parse_value(name, known[name], text) for name, text in given.items()}
     options = {}
     for name, option in known.items():
-        if name in BLOCKING_OPTIONS:
+        if name in _MODE_OPTIONS:
             continue
         options[name] = parsed.get(name, option.default)
         if option.kind == "int" and options[name] is not None and options[name] < 0:
@@ -186,6 +211,14 @@ def resolve(op, mode=None, given=None):
             raise ValueError(f"option {name}={value} is not used by mode 'dense' (no blocks)")
         if mode != "dense":
             options |= {**blocking_mode(mode).defaults, **blocking}
+    if op == "moe":
+        counts = {k: v for k, v in parsed.items() if k in NSP_OPTIONS and v is not None}
+        if mode != "nsp" and counts:
+            name, value = next(iter(counts.items()))
+            raise ValueError(f"option {name}={value} is not used by mode {mode!r} (nsp only)")
+        if mode == "nsp":
+            options |= {**NSP_KIT_DEFAULTS, **counts}
+        moe_mode(mode, options).check(options["experts"], moe_sizes(options)[0])
     return mode, options
 
 
@@ -252,3 +285,39 @@ def attention_mask(options):
         kv_group=kv_group,
     )
     return np.asarray(m)[:, 0]
+
+
+def moe_mode(mode, options):
+    """The `ref.moe_modes.MoeMode` of a moe mode name and its resolved options."""
+    counts = {k: options[k] for k in NSP_OPTIONS if k in options}
+    return moe_modes.MoeMode(mode, **counts)
+
+
+def moe_sizes(options):
+    """(T, D, E, I, K) from resolved moe options, checked: sizes ≥ 1, K ≤ E, hot ≤ T."""
+    names = ("tokens", "hidden", "experts", "intermediate", "top_k")
+    sizes = tuple(options[n] for n in names)
+    for name, value in zip(names, sizes, strict=True):
+        if value < 1:
+            raise ValueError(f"option {name}={value}: expected an integer >= 1")
+    if sizes[4] > sizes[2]:
+        raise ValueError(f"top_k={sizes[4]} is more than the experts={sizes[2]}")
+    if options["hot"] > sizes[0]:
+        raise ValueError(f"hot={options['hot']} is more than the tokens={sizes[0]}")
+    return sizes
+
+
+def moe_routing(options, rng):
+    """A router's output for resolved moe options → (weights [T, K] float64, index [T, K]
+    int32): standard normal logits [T, E] (the first `hot` tokens' expert 0 raised above
+    their others), each token's top-k (the lower expert first among ties, as `lax.top_k`)
+    and the softmax over those k logits (what `ref.gemma4.moe.route` gives with
+    per_expert_scale 1)."""
+    t, _, e, _, k = moe_sizes(options)
+    logits = rng.standard_normal((t, e))
+    hot = options["hot"]
+    logits[:hot, 0] = logits[:hot].max(axis=1) + 1.0
+    index = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, index, axis=1)
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    return weights / weights.sum(axis=1, keepdims=True), index.astype(np.int32)

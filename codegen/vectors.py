@@ -153,7 +153,7 @@ def generate(op, mode=None, given=None, *, seed=0, low=(), out="DIR"):
         "inputs_note": "float inputs: standard normal (numpy default_rng(seed)) rounded to "
         f"{' and '.join(('float32', *low))}, so every copy holds the same values",
         **case.extra,
-        "command": command(op, None if op != "attention" else mode, options, seed, low, out),
+        "command": command(op, mode, options, seed, low, out),
     }
     return tensors | outputs, meta
 

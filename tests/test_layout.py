@@ -89,7 +89,7 @@ def test_the_manifest_imports_neither_onnx_nor_the_exporter():
 
 
 KIT = ("codegen.vectors", "codegen.vector_cases", "codegen.vector_options", "codegen.plan")
-KIT += ("codegen.plan_draw",)
+KIT += ("codegen.plan_draw", "codegen.moe_plan")
 
 
 def test_the_kit_imports_no_onnx():

@@ -35,8 +35,14 @@ PICTURES = {
     "sliding_vision_skip": "--mode qkv --opt num_q_blocks=2 --opt num_kv_blocks=4 "
     "--opt skip_kv=true --opt sliding_window=6 --opt vision=3 --opt vision_offset=2",
 }
+# MoE (its own sizes: 8 tokens, 4 experts, top 2); nsp with 6 tokens crowding expert 0
+PICTURES |= {
+    "moe_gather": "--op moe --mode gather",
+    "moe_nsp": "--op moe --mode nsp --opt hot=6",
+}
 for name, args in PICTURES.items():
-    argv = ["plan", *shlex.split(SIZES), *shlex.split(args), "--png", f"docs/img/{name}.png"]
+    sizes = [] if name.startswith("moe_") else shlex.split(SIZES)
+    argv = ["plan", *sizes, *shlex.split(args), "--png", f"docs/img/{name}.png"]
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         rc = main(argv)
     if rc:

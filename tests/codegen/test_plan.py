@@ -4,11 +4,12 @@ tile statuses against key-by-key visibility; the PNG and its tile count; one-lin
 
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
+from codegen import moe_plan, vector_options
 from codegen import plan as kit
-from codegen import vector_options
 from codegen.__main__ import main
 from tests.visibility import visible_numpy
 
@@ -145,6 +146,7 @@ def test_png_is_drawn_with_every_tile_of_the_plan(tmp_path, capsys):
         (["--mode", "qkv", "--opt", "num_q_blocks=99"], "num_q_blocks=99 is more blocks"),
         (["--mode", "hq", "--opt", "head_block_size=3"], "head_block_size=3 must be a multiple"),
         (["--op", "pool"], "invalid choice: 'pool'"),
+        (["--op", "moe", "--mode", "nsp", "--opt", "num_nsp=3"], "num_nsp=3 does not divide"),
         (["--mode", "kv", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--mode", "kv", "--ctx", "x"], "option ctx='x': expected an integer"),
     ],
@@ -153,3 +155,64 @@ def test_bad_plan_options_are_one_line_errors(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+MOE = {"tokens": "8", "hidden": "4", "experts": "4", "intermediate": "2", "top_k": "2"}
+
+
+@pytest.mark.parametrize(
+    "mode, given, per_core, total",
+    [
+        # hand counts (items, rows, FLOPs, weight bytes), float16 weights: an expert's gate_up
+        # and down are 3·I·D = 24 values = 48 bytes; a row through both is 2·D·2I + 2·I·D = 48
+        # FLOPs
+        ("dense", {}, {0: (4, 32, 1536, 192)}, (4, 32, 1536, 192)),
+        ("gather", {}, {0: (16, 16, 768, 768)}, (16, 16, 768, 768)),
+        # 2 cores x 2 slots x 2 chunks of 4 rows: every chunk runs, each reads its expert
+        ("nsp", {"hot": "6"}, {0: (4, 16, 768, 192), 1: (4, 16, 768, 192)}, (8, 32, 1536, 384)),
+    ],
+    ids=str,
+)
+def test_moe_costs_equal_a_hand_count(mode, given, per_core, total):
+    mode, options = vector_options.resolve("moe", mode, MOE | given)
+    report = moe_plan.report(mode, options, "float16")
+    fields = ("items", "rows", "flops", "weight_bytes")
+    got = {c: tuple(getattr(cost, f) for f in fields) for c, cost in report["per"].items()}
+    assert got == per_core
+    assert tuple(getattr(report["total"], f) for f in fields) == total
+    assert tuple(getattr(report["dense"], f) for f in fields) == (4, 32, 1536, 192)
+    # routed rows: the picks of each core's experts (nsp: core c holds experts c and c + 2)
+    count = np.bincount(report["index"].ravel(), minlength=4)
+    cores = {0: [0, 1, 2, 3]} if mode != "nsp" else {0: [0, 2], 1: [1, 3]}
+    assert {c: cost.routed for c, cost in report["per"].items()} == {
+        c: int(count[e].sum()) for c, e in cores.items()
+    }
+    assert report["total"].routed == 16 and "mode/dense" in report["table"]
+
+
+@pytest.mark.parametrize("given", [{"hot": "7"}, {"experts": "8", "num_nsp": "4"}], ids=str)
+def test_nsp_items_hold_every_pick_once_in_their_experts_core_and_slot(given):
+    mode, options = vector_options.resolve("moe", "nsp", MOE | given)
+    report = moe_plan.report(mode, options)
+    index, how = report["index"], report["mode"]
+    want = np.bincount(index.ravel(), minlength=options["experts"])
+    routed = np.zeros_like(want)
+    for item in report["items"]:
+        assert item.expert == item.slot * how.num_nsp + item.core
+        routed[item.expert] += item.routed
+    assert (routed == want).all() and routed.sum() == index.size
+    # nsp: every chunk of every expert computed, dense's FLOPs
+    assert report["total"].flops == report["dense"].flops
+    chunks = options["tokens"] // how.packed_chunk
+    assert report["total"].weight_bytes == chunks * report["dense"].weight_bytes
+
+
+def test_moe_png_draws_every_item(tmp_path, capsys):
+    png = tmp_path / "nsp.png"
+    args = ["plan", "--op", "moe", "--mode", "nsp", "--opt", "hot=5", "--png", str(png)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mode/dense: FLOPs 1.000, weight bytes 2.000" in out and f"wrote {png}" in out
+    with Image.open(png) as image:
+        info = json.loads(image.text["Description"])
+    assert info == {"tiles": 8, "tiles_total": 8, "panels": 2, "panels_total": 2}

@@ -15,6 +15,7 @@ from codegen import vector_options, vectors
 from codegen.__main__ import main
 from ref.attention import reference
 from ref.blocking import mode as blocking_mode
+from ref.gemma4 import moe
 from tests.visibility import visible_numpy
 from weights import read_header
 
@@ -225,6 +226,87 @@ def test_cli_writes_files_that_the_recorded_command_rewrites_byte_for_byte(tmp_p
     inputs = {"q", "k", "v", "q_pos", "kv_pos", "q_f16", "k_f16", "v_f16"}
     assert inputs | {"out_f64", "out_f32", "out_f16"} == names
     assert set(meta["inputs"]) | set(meta["outputs"]) == names
+
+
+def moe_numpy(x, gate_up, down, weights, index):
+    """Each token's picks one by one in float64: x [T, D], gate_up [E, 2I, D], down [E, D, I],
+    weights, index [T, K] → [T, D] (gelu_tanh written out)."""
+    x, gate_up, down, weights = (np.asarray(a, np.float64) for a in (x, gate_up, down, weights))
+    inter = down.shape[2]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], index[t], strict=True):
+            h = gate_up[e] @ x[t]
+            g, u = h[:inter], h[inter:]
+            gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+            out[t] += w * (down[e] @ (gelu * u))
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode, given",
+    [
+        ("dense", {}),
+        ("gather", {"top_k": "3", "experts": "5"}),
+        ("nsp", {"hot": "6"}),  # expert 0 holds 6 tokens: past its first chunk of 4
+        ("nsp", {"experts": "6", "num_nsp": "3", "packed_chunk": "8"}),
+    ],
+    ids=str,
+)
+def test_moe_vectors_equal_numpy_and_ref_dense(mode, given):
+    t, meta = vectors.generate("moe", mode, given, seed=8, low=("bfloat16",))
+    args = [t[n] for n in ("x", "gate_up", "down", "weights", "index")]
+    want = moe_numpy(*args)
+    assert np.abs(t["out_f64"] - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
+    dense = moe.dense(*(np.asarray(a, np.float64) for a in args[:4]), args[4])
+    assert np.abs(t["out_f64"] - np.asarray(dense)).max() <= 1e-12 * max(1.0, np.abs(want).max())
+    o = meta["options"]
+    e, k = o["experts"], o["top_k"]
+    picks = t["index"]
+    assert picks.shape == (o["tokens"], k) and ((picks >= 0) & (picks < e)).all()
+    assert all(len(set(row)) == k for row in picks.tolist())
+    assert np.allclose(t["weights"].sum(1), 1, atol=2e-2) and (t["weights"] > 0).all()
+    assert (picks[: o["hot"], 0] == 0).all()
+    assert meta["routed_per_expert"] == np.bincount(picks.ravel(), minlength=e).tolist()
+    assert meta["mode"] == mode and meta["moe_mode"] == str(vector_options.moe_mode(mode, o))
+    err = np.abs(t["out_f32"].astype(np.float64) - want).max()
+    assert err <= 2e-6 * max(1.0, np.abs(want).max())
+    bf16 = meta["tolerance"]["bfloat16"]
+    assert 0 < bf16["ref_error"] <= bf16["bound"]
+
+
+def test_moe_vectors_reproduce_through_the_recorded_command(tmp_path):
+    out = tmp_path / "moe"
+    args = ["vectors", "--op", "moe", "--mode", "nsp", "--opt", "hot=5", "--out", str(out)]
+    assert main([*args, "--seed", "2", "--fp16"]) == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    meta = json.loads(first["vectors.json"])
+    assert "--opt num_nsp=2 --opt packed_chunk=4" in meta["command"]
+    assert main(shlex.split(meta["command"])[3:]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    names = set(read_header(out / "vectors.safetensors"))
+    floats = {"x", "gate_up", "down", "weights"}
+    outputs = {"out_f64", "out_f32", "out_f16"}
+    assert names == floats | {f"{n}_f16" for n in floats} | {"index"} | outputs
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--op", "moe", "--mode", "loop"], "unknown moe mode 'loop'; expected one of dense"),
+        (["--op", "moe", "--opt", "num_nsp=2"], "num_nsp=2 is not used by mode 'dense'"),
+        (["--op", "moe", "--mode", "nsp", "--opt", "num_nsp=3"], "num_nsp=3 does not divide"),
+        (["--op", "moe", "--mode", "nsp", "--opt", "packed_chunk=3"], "packed_chunk=3 does not"),
+        (["--op", "moe", "--opt", "top_k=5"], "top_k=5 is more than the experts=4"),
+        (["--op", "moe", "--opt", "hot=9"], "hot=9 is more than the tokens=8"),
+        (["--op", "moe", "--opt", "window=2"], "unknown option 'window' for --op moe"),
+    ],
+)
+def test_bad_moe_options_are_one_line_errors(tmp_path, capsys, args, message):
+    assert main(["vectors", *args, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(
