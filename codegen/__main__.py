@@ -56,6 +56,15 @@ def _run_precision(args):
     from codegen.precision import precision_table, verify_precision
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.write_npi:
+        from codegen.npi import plans_table, write_plans
+
+        plans = write_plans(
+            args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
+            check_shards=not args.skip_shard_check, graphs=args.graphs, log=log,
+        )  # fmt: skip
+        print(plans_table(plans, args.precision))
+        return 0
     results = verify_precision(
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
         check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,

@@ -365,6 +365,14 @@ def parser():
         choices=formats.KV,
         help="with --precision: the KV cache's storage format (QAIC's --kv-dtype)",
     )
+    v.add_argument(
+        "--write-npi",
+        action="store_true",
+        help="with --precision: find the node outputs that must stay float32 for each graph "
+        "to stay finite on the calibration inputs (the first to overflow kept, again until "
+        "none does) and write GRAPH.npi.yaml (QAIC's node-precision-info), which compile.sh "
+        "passes as -node-precision-info",
+    )
     d = sub.add_parser("drift", help="greedy tokens: float32 ref vs the device's precision")
     d.add_argument("out", type=Path, nargs="?", help="an export folder (or --model)")
     d.add_argument("--model", type=Path, help="an HF checkpoint folder instead of an export")

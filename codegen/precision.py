@@ -102,12 +102,13 @@ def _stat_nodes(name):
     ]
 
 
-def device_graph(model, precision):
+def device_graph(model, precision, keep=frozenset()):
     """The exported graph as the device computes it: functions inlined, every float32 input
-    and node result rounded to `precision` by a Cast pair, and three scalar outputs per
-    rounded node result (`_stat_nodes`: `name/peak`, `name/nan`, `name/bad`). model: an onnx
-    ModelProto (external data not loaded) → (ModelProto, probed tensor names in node
-    order, the names of their scalar outputs)."""
+    and node result rounded to `precision` by a Cast pair — but the node results named in
+    `keep` (a node-precision plan: QAIC's FP32NodeInstanceNames), which stay float32 — and
+    three scalar outputs per node result (`_stat_nodes`: `name/peak`, `name/nan`,
+    `name/bad`). model: an onnx ModelProto (external data not loaded) → (ModelProto, probed
+    tensor names in node order, the names of their scalar outputs)."""
     model = inline(model)
     inputs, made = _float_tensors(model)
     to = _ONNX_TYPES[precision]
@@ -118,7 +119,11 @@ def device_graph(model, precision):
         node.output[:] = [f"{o}/exact" if o in made else o for o in node.output]
     nodes = list(graph.node)
     rounding = {}
-    for name in [*inputs, *made]:
+    keep = set(keep)
+    for name in [n for n in made if n in keep]:
+        rounding[name] = [helper.make_node("Identity", [f"{name}/exact"], [name],
+                                           name=f"{name}/float32")]  # fmt: skip
+    for name in [n for n in [*inputs, *made] if n not in rounding]:
         rounding[name] = [
             helper.make_node("Cast", [f"{name}/exact" if name in made else name], [f"{name}/low"],
                              to=to, name=f"{name}/to_low"),
@@ -153,11 +158,11 @@ def stats_of(got, names):
     }
 
 
-def _device_session(entry, folder, precision):
+def _device_session(entry, folder, precision, keep=frozenset()):
     """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
     rewritten file sits in the folder (its external data paths are relative) while loading."""
     model = onnx.load(os.path.join(folder, entry.file), load_external_data=False)
-    model, names, _ = device_graph(model, precision)
+    model, names, _ = device_graph(model, precision, keep)
     path = os.path.join(folder, f".precision.{entry.name}.onnx")
     return session_at(model, path), names
 
@@ -167,6 +172,15 @@ def first_nonfinite_onnx(stats, names, producers):
     from finite inputs — as "name (Op of input, …)", or None. stats: {name: (peak, any NaN,
     all finite)} (`stats_of`; inputs may be among them); producers: {name: the node that
     makes it}."""
+    name = first_nonfinite_name(stats, names, producers)
+    if name is None:
+        return None
+    node = producers[name]
+    return f"{name!r} ({node.op_type} of {', '.join(repr(i) for i in node.input)})"
+
+
+def first_nonfinite_name(stats, names, producers):
+    """The name `first_nonfinite_onnx` describes, or None."""
     finite = {n: st[2] for n, st in stats.items()}
     readers = {}
     for node in {id(n): n for n in producers.values()}.values():
@@ -183,7 +197,7 @@ def first_nonfinite_onnx(stats, names, producers):
         if nan or (
             not finite[name] and not clamped and all(finite.get(i, True) for i in node.input)
         ):
-            return f"{name!r} ({node.op_type} of {', '.join(repr(i) for i in node.input)})"
+            return name
     return None
 
 

@@ -76,14 +76,19 @@ def compile_command(
 
 
 def compile_script(commands):
-    """Text of compile.sh: one qaic-compile per graph, run from the script's folder."""
+    """Text of compile.sh: one qaic-compile per graph, run from the script's folder, with
+    -node-precision-info=GRAPH.npi.yaml when `verify --precision --write-npi` wrote one."""
     lines = [
         "#!/bin/sh",
         "# Written by `python -m codegen export`.",
         "set -e",
         'cd "$(dirname "$0")"',
+        "# a graph's node-precision plan, when verify --precision --write-npi wrote it",
+        'npi() { if [ -f "$1.npi.yaml" ]; then echo "-node-precision-info=$1.npi.yaml"; fi; }',
     ]
-    lines += [shlex.join(c) for c in commands]
+    for c in commands:
+        graph = next(a[3:-5] for a in c if a.startswith("-m="))
+        lines.append(f"{shlex.join(c)} $(npi {shlex.quote(graph)})")
     return "\n".join(lines) + "\n"
 
 

@@ -338,3 +338,53 @@ def test_mxfp6_weights_move_the_logits_by_their_rounding(default_model, capsys):
     assert main([*argv, "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "float32 vs float16 compute, KV cache float16, MXFP6 (e2m3) matmul weights"
+
+
+def test_write_npi_keeps_the_standardize_step_in_float32(tmp_path, capsys):
+    """`verify --precision fp16 --write-npi` on a tower whose standardize step overflows
+    float16: the plan names that Sub and little else; the device graph with the plan is finite
+    and within float16's error of float32, without it not; compile.sh passes the file; a plan
+    naming a node the graph does not have is refused."""
+    import onnx
+    import onnxruntime as ort
+
+    from codegen.__main__ import main
+    from codegen.export import ExportOptions, export
+    from codegen.npi import PlanError, read_npi
+    from codegen.precision import device_graph
+
+    model = _overflowing_tower(tmp_path / "ckpt")
+    out = tmp_path / "plain"
+    export(ExportOptions(out=out, model=model, budgets=(70,), verify=False))
+    assert main(["verify", str(out), "--precision", "fp16", "--write-npi"]) == 0
+    report = capsys.readouterr().out
+    graph = onnx.load(out / "vision.onnx", load_external_data=False)
+    names = read_npi(out / "vision.npi.yaml", graph)
+    assert names[0] == "sub_out_1" and len(names) <= 3, (names, report)
+    assert "vision: " in report and "sub_out_1 (Sub)" in report
+    assert "$(npi vision)" in (out / "compile.sh").read_text()
+    # the plan honoured: the same inputs, the graph's output finite with it and not without
+    from codegen.verify import opened
+
+    _, checkpoint, [(entry, spec, _)] = opened(out, False, None, None)
+    from codegen.graphs import drawn_feed, layer_scope
+    from codegen.precision import _feeds
+
+    s, feed = next(_feeds(spec, 0, None))
+    feed = drawn_feed(feed)
+    outputs = {}
+    for keep in ((), names):
+        device, _, _ = device_graph(graph, "float16", frozenset(keep))
+        path = out / ".npi-test.onnx"
+        onnx.save(device, path)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        outputs[keep != ()] = session.run([spec.outputs[0].name], feed)[0]
+    weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+    with layer_scope():
+        exact = np.asarray(jax.jit(spec.fn)(*[feed[t.name] for t in spec.inputs], *weights)[0])
+    assert not np.isfinite(outputs[False]).all()
+    assert np.isfinite(outputs[True]).all()
+    assert np.abs(outputs[True] - exact).max() <= FP16_BOUND * np.abs(exact).max()
+    (out / "bad.npi.yaml").write_text('FP32NodeInstanceNames:\n  - "no_such_node"\n')
+    with pytest.raises(PlanError, match="node output 'no_such_node' is not in the graph"):
+        read_npi(out / "bad.npi.yaml", graph)
