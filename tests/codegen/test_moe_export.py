@@ -2,13 +2,15 @@
 `--moe-decode`: dense, gather, nsp): the graphs stay in the op allow-list with no Loop or Scan,
 verify (whole and layer by layer) rebuilds `ref` in the same modes, onnxruntime's tokens equal
 transformers', the manifest records the modes (an older one reads as dense), and what cannot
-apply is refused by name."""
+apply is refused by name; with the default modes, continuous batching serves each request
+transformers' tokens, and so do compute context lengths over a blocked decode."""
 
 import json
 
 import numpy as np
 import onnx
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from codegen.export import ExportOptions, export
 from codegen.graphs import GraphError
@@ -16,7 +18,9 @@ from codegen.manifest import load
 from codegen.ops import ALLOWED_OPS
 from codegen.runtime import Runner
 from codegen.verify import opened, verify
-from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, text_config
+from tests.e2e.test_serve import REQUESTS, check_serve
+from tests.text_oracle import FIRST_TEXT, hf_generate, hf_model, hf_request, text_config
+from tests.util import examples
 
 NEW_TOKENS = 8
 SEQ, CTX = 8, 48
@@ -168,3 +172,58 @@ def test_an_older_manifest_reads_as_dense(saved, tmp_path_factory):
     old.write_text(json.dumps(data))
     manifest = load(old.parent)
     assert {g.options["moe"] for g in manifest.graphs} == {"dense"}
+
+
+# Continuous batching and compute context lengths on e8k2 with the MoE defaults (no
+# --moe-*: decode gather, prefill nsp over the 4 cores in one chunk of batch × seq_len rows)
+SERVE = dict(budgets=(70,), batch_size=2, seq_len=12, ctx_len=96, num_cores=4, hash_shards=False)
+
+
+def _served_export(saved, tmp_path_factory, name, **options):
+    hf, folder = saved["e8k2"]
+    out = tmp_path_factory.mktemp(name) / "out"
+    export(ExportOptions(out=out, model=folder, **SERVE, **options), log=print)
+    manifest = json.loads((out / "manifest.json").read_text())
+    modes = {g["name"]: g["options"]["moe"] for g in manifest["graphs"] if g["kind"] != "vision"}
+    assert modes == {"prefill": "nsp:num_nsp=4,packed_chunk=24", "decode": "gather"}
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def moe_served(saved, tmp_path_factory):
+    """(transformers model, Runner) over e8k2 exported with --full-batch-size 3."""
+    hf, out = _served_export(saved, tmp_path_factory, "moe-cb", full_batch_size=3)
+    return hf, Runner(out)
+
+
+@settings(max_examples=examples(1), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**REQUESTS)
+def test_continuous_batching_serves_transformers_tokens(moe_served, lengths, data, seed):
+    """Requests with images join free slots mid-decode (gather decode over every slot, nsp
+    prefill into a slot) and each gets transformers' tokens for it alone."""
+    check_serve(*moe_served, lengths, data, seed)
+
+
+def test_ccl_and_blocked_decode_give_transformers_tokens(saved, tmp_path_factory):
+    """Decode compute context lengths 24 and 48 (and 96) with the decode attention in 2 KV
+    blocks: two rows, one with an image, crossing both boundaries."""
+    hf, out = _served_export(
+        saved, tmp_path_factory, "moe-ccl", comp_ctx_lengths_decode=(24, 48),
+        decode_blocking=("kv", {"num_kv_blocks": 2}),
+    )  # fmt: skip
+    rng = np.random.default_rng(11)
+    rows, images, want = [], [], []
+    for length, grids in ((14, [(6, 6)]), (9, [])):
+        while True:  # a request whose greedy picks float32 cannot flip
+            ids, patches, tokens, gap = hf_request(hf, rng, length, grids, 40)
+            if gap > 1e-4:
+                break
+        rows.append(ids)
+        images += list(zip(patches, grids, strict=True))
+        want.append(tokens)
+    runner = Runner(out, check_shards=False)
+    got = runner.generate(rows, images, max_new_tokens=40)
+    for i, w in enumerate(want):
+        np.testing.assert_array_equal(got[i], w, err_msg=f"row {i}: {runner.ccl_steps}")
+    decoded = [k for kind, k in runner.ccl_steps if kind == "decode"]
+    assert sorted(set(decoded)) == [24, 48, 96], runner.ccl_steps
