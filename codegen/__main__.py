@@ -84,6 +84,17 @@ def _run_drift(args):
     model = Gemma4.from_pretrained(args.model or args.out)
     if model.vision is None:
         raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")
+    if args.plans:
+        from codegen.plan_drift import plan_drift, plan_drift_table
+
+        if args.out is None:
+            raise ValueError("drift --plans: give an export folder (the plans name its nodes)")
+        rows = plan_drift(
+            args.out, model, prompts=args.prompts, precision=args.precision,
+            max_new_tokens=args.max_new_tokens, seed=args.seed,
+        )  # fmt: skip
+        print(plan_drift_table(rows, args.precision, args.prompts))
+        return 0
     rows = drift(
         model, prompts=args.prompts, precision=args.precision, kv_dtype=args.kv_dtype,
         max_new_tokens=args.max_new_tokens, seed=args.seed, mxfp6=args.mxfp6,

@@ -382,6 +382,14 @@ def parser():
     d.add_argument("--kv-dtype", choices=formats.KV, default="float16")
     d.add_argument("--seed", type=int, default=0, help="random prompt seed (default 0)")
     d.add_argument(
+        "--plans",
+        action="store_true",
+        help="instead: the export's graphs in onnxruntime, float32 against the device model of "
+        "the same graphs under no node-precision plan, the measured one (GRAPH.npi.yaml from "
+        "verify --precision --write-npi) and QEfficient's rule (all but MatMuls in float32), "
+        "each with its count of float32 nodes",
+    )
+    d.add_argument(
         "--mxfp6",
         nargs="?",
         const="e2m3",

@@ -102,13 +102,14 @@ def _stat_nodes(name):
     ]
 
 
-def device_graph(model, precision, keep=frozenset()):
+def device_graph(model, precision, keep=frozenset(), stats=True):
     """The exported graph as the device computes it: functions inlined, every float32 input
     and node result rounded to `precision` by a Cast pair — but the node results named in
     `keep` (a node-precision plan: QAIC's FP32NodeInstanceNames), which stay float32 — and
     three scalar outputs per node result (`_stat_nodes`: `name/peak`, `name/nan`,
-    `name/bad`). model: an onnx ModelProto (external data not loaded) → (ModelProto, probed
-    tensor names in node order, the names of their scalar outputs)."""
+    `name/bad`; none when `stats` is False: the graph's own outputs only). model: an onnx
+    ModelProto (external data not loaded) → (ModelProto, probed tensor names in node order,
+    the names of their scalar outputs)."""
     model = inline(model)
     inputs, made = _float_tensors(model)
     to = _ONNX_TYPES[precision]
@@ -135,7 +136,7 @@ def device_graph(model, precision, keep=frozenset()):
         ordered.append(node)
         for o in node.output:
             if o.endswith("/exact"):
-                ordered += rounding[o[:-6]] + _stat_nodes(o[:-6])
+                ordered += rounding[o[:-6]] + (_stat_nodes(o[:-6]) if stats else [])
     del graph.node[:]
     graph.node.extend(ordered)
     graph.initializer.extend(
@@ -144,7 +145,7 @@ def device_graph(model, precision, keep=frozenset()):
             helper.make_tensor("stats/zero", TensorProto.FLOAT, [1], [0.0]),
         ]
     )
-    outputs = [f"{n}/{stat}" for n in made for stat in STATS]
+    outputs = [f"{n}/{stat}" for n in made for stat in STATS] if stats else []
     graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, []) for o in outputs)
     return model, made, outputs
 
