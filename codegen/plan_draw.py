@@ -225,14 +225,16 @@ def draw_moe(path, result, max_panels=16):
         size = 8 if len(mine) <= 16 else 6
         for item in mine:
             y = lanes.index(lane(item))
-            (a, b), full = item.rows, item.rows[1] - item.rows[0]
+            a, b = item.rows
             box = Rectangle((a, y), b - a, 0.8, facecolor="none", edgecolor="black", lw=1.2)
             box.set_gid("tile")
             ax.add_patch(box)
-            ax.add_patch(
-                Rectangle((a, y), full * item.routed / full if full else 0, 0.8,
-                          facecolor=_ALL_ROWS, lw=0)
-            )  # fmt: skip
+            # nsp packs an expert's tokens to the front; dense's routed tokens sit where they are
+            spans = [(a, item.routed)]
+            if mode.name == "dense":
+                spans = [(n, 1) for n in np.flatnonzero((result["index"] == item.expert).any(1))]
+            for start, rows in spans:
+                ax.add_patch(Rectangle((start, y), rows, 0.8, facecolor=_ALL_ROWS, lw=0))
             label = f"{item.order}\ne{item.expert}" if mode.name != "dense" else str(item.order)
             ax.text((a + b) / 2, y + 0.4, label, ha="center", va="center", fontsize=size)
             drawn += 1
