@@ -74,6 +74,8 @@ SLOWEST_FIRST = [
     "test_vision_export_tiles.py",
     "test_photo_run.py",
     "test_serve.py",
+    "test_chat.py",
+    "test_npi_drift.py",
     "test_hostile_input.py",
 ]
 

@@ -2,14 +2,18 @@
 with a vision standardize step that overflows float16 (as vLLM #40290 found in 26B/31B), its
 measured plan written by `verify --precision fp16 --write-npi`, and greedy tokens of the
 float32 graphs against the float16 device graphs under no plan, the measured plan and
-QEfficient's rule."""
+QEfficient's rule; the plan file is what compile.sh passes, and one naming a node the graph
+does not have is refused."""
 
 import ml_dtypes
 import numpy as np
+import onnx
+import pytest
 
 from codegen.__main__ import main
 from codegen.defaults import DEFAULT_CONFIG, default_tensors
 from codegen.export import ExportOptions, export
+from codegen.npi import PlanError, read_npi
 from weights import save_checkpoint
 
 
@@ -35,6 +39,12 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     report = capsys.readouterr().out
     assert "vision: 1 node(s) in float32" in report and "prefill: 0 node(s)" in report, report
     assert (out / "vision.npi.yaml").exists() and not (out / "prefill.npi.yaml").exists()
+    graph = onnx.load(out / "vision.onnx", load_external_data=False)
+    assert read_npi(out / "vision.npi.yaml", graph) == ["sub_out_1"]  # the standardize Sub
+    assert "$(npi vision)" in (out / "compile.sh").read_text()  # -node-precision-info
+    (out / "bad.npi.yaml").write_text('FP32NodeInstanceNames:\n  - "no_such_node"\n')
+    with pytest.raises(PlanError, match="node output 'no_such_node' is not in the graph"):
+        read_npi(out / "bad.npi.yaml", graph)
     args = ["drift", str(out), "--plans", "--prompts", "2", "--max-new-tokens", "3"]
     assert main(args) == 0
     rows = {line[:18].strip(): line.split() for line in capsys.readouterr().out.splitlines()[2:]}

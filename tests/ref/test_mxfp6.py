@@ -32,7 +32,8 @@ def oracle(x, element):
 def weights(draw):
     """Float32 rows of normal magnitudes over a drawn dynamic range, zeros, ties and blocks
     of one value; the last block short."""
-    rows, n = draw(st.integers(1, 4)), draw(st.integers(1, 100))
+    # a few shapes (each compiles once): one block, a short last block, several blocks
+    rows, n = draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 32, 33, 70]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     spread = draw(st.sampled_from([0.5, 3.0, 12.0]))
     x = rng.normal(size=(rows, n)) * np.exp2(rng.uniform(-spread, spread, (rows, n)))
@@ -48,7 +49,7 @@ def weights(draw):
 
 
 @pytest.mark.parametrize("element", ["e2m3", "e3m2"])
-@settings(max_examples=examples(40), deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(x=weights())
 def test_round_trip_equals_ml_dtypes_bit_for_bit(element, x):
     got = np.asarray(mxfp6.round_trip(x, element))
