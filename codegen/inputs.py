@@ -57,10 +57,11 @@ def _photo_prompt(args, runner):
     tokens = prompt_tokens(runner.checkpoint.config)
     prompt, specials = args.prompt, {}
     try:
-        if prompt is not None and use_chat(getattr(args, "chat", None), runner.folder):
+        template = None if prompt is None else chat_template(getattr(args, "chat", None), runner)
+        if template is not None:
             specials = chat.special_tokens(runner.folder)
             message = chat.user_message(prompt, len(args.image), len(videos), tokens)
-            prompt = chat.render(chat.read_template(runner.folder), [message], specials)
+            prompt = chat.render(template, [message], specials)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
         ids, patches, grids = prompt_inputs(
@@ -82,19 +83,18 @@ def _photo_prompt(args, runner):
     return [ids], items, tokenizer if args.prompt is not None else None
 
 
-def use_chat(asked, folder):
-    """Whether a text prompt is rendered with the chat template: as asked (True/False), or, when
-    not asked (None), whenever the folder holds a template."""
+def chat_template(asked, runner):
+    """The template a text prompt is rendered with, or None: as asked (True/False), or, when
+    not asked (None), the export's whenever it holds one."""
     if asked is False:
-        return False
-    if chat.read_template(folder) is None:
-        if asked:
-            raise RunError(
-                f"--chat: {folder} holds no chat template (chat_template.jinja, or "
-                "chat_template in tokenizer_config.json)"
-            )
-        return False
-    return True
+        return None
+    template = chat.read_template(runner.folder)
+    if template is None and asked:
+        raise RunError(
+            f"--chat: {runner.folder} holds no chat template (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json)"
+        )
+    return template
 
 
 def sampling_of(options, generation_config):
@@ -158,17 +158,19 @@ def main(args):
     except ValueError as e:
         raise RunError(str(e)) from e
     stream = Stream(tokenizer) if tokenizer is not None and len(rows) == 1 else None
+    stop = stop_of(args.eos_id, args.ignore_eos)
     tokens = runner.generate(
         rows,
         images,
         max_new_tokens=args.max_new_tokens,
         log=log,
-        stop=stop_of(args.eos_id, args.ignore_eos),
+        stop=stop,
         sampling=sampling,
         emit=stream,
     )
     for row in tokens:
-        row = unpadded(row, runner.stop if args.eos_id is None else args.eos_id)
+        # the stop ids generation used (--ignore-eos: none, so nothing is cut)
+        row = unpadded(row, runner.stop if stop is None else stop)
         if stream is not None:
             stream.finish(row)
         elif tokenizer is not None:

@@ -176,7 +176,9 @@ def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsy
     got = Runner(out, check_shards=False).generate([row], max_new_tokens=12, stop=(stop,))
     np.testing.assert_array_equal(got, want[None])  # ends there: no step after the stop id
     greedy = ",".join(str(int(t)) for t in free)
-    assert main([*run, "--ignore-eos", "--sample", "--top-k", "1", "--quiet"]) == 0
+    # --ignore-eos wins over --eos-id: all 12 tokens generated and printed
+    top1 = ["--eos-id", str(stop), "--ignore-eos", "--sample", "--top-k", "1", "--quiet"]
+    assert main([*run, *top1]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == greedy
     drawn = []
     for seed in ("4", "4", "5"):
