@@ -19,13 +19,12 @@ graph `verify` checks layer by layer (a released size) is refused by name.
 
 import os
 
-import onnx
-
 from codegen.graphs import drawn_feed
 from codegen.precision import (
     _device_session,
     _feeds,
     first_nonfinite_name,
+    formats,
     inline,
     stats_of,
 )
@@ -48,7 +47,7 @@ def plan_graph(entry, spec, model, folder, precision, kv, seed, log):
     keep, found, top = [], [], (0.0, None)
     for s, feed in _feeds(spec, seed, kv):
         while True:
-            session, names = _device_session(entry, folder, precision, frozenset(keep))
+            session, names = _device_session(model, entry, folder, precision, frozenset(keep))
             out = [o.name for o in session.get_outputs()]
             got = dict(zip(out, session.run(None, drawn_feed(feed)), strict=True))
             stats = stats_of(got, names)
@@ -94,8 +93,7 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
     """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
     whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
     rows, headroom)]."""
-    precision = numerics.format_name(precision)
-    kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
     plans = []
@@ -109,7 +107,7 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
             with open(tmp, "w") as f:
                 f.write(npi_yaml(keep))
             os.replace(tmp, path)
-            read_npi(path, onnx.load(os.path.join(folder, entry.file), load_external_data=False))
+            read_npi(path, model)
         elif os.path.exists(path):
             os.remove(path)
         plans.append((spec.name, keep, found, headroom))

@@ -159,10 +159,10 @@ def stats_of(got, names):
     }
 
 
-def _device_session(entry, folder, precision, keep=frozenset()):
-    """(onnxruntime session, probed names) of `device_graph` of an exported graph; the
-    rewritten file sits in the folder (its external data paths are relative) while loading."""
-    model = onnx.load(os.path.join(folder, entry.file), load_external_data=False)
+def _device_session(model, entry, folder, precision, keep=frozenset()):
+    """(onnxruntime session, probed names) of `device_graph` of an exported graph (`model`, its
+    ModelProto as loaded, external data not); the rewritten file sits in the folder (its
+    external data paths are relative) while loading."""
     model, names, _ = device_graph(model, precision, keep)
     path = os.path.join(folder, f".precision.{entry.name}.onnx")
     return session_at(model, path), names
@@ -215,8 +215,7 @@ def verify_precision(
     None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`, way ("whole
     graph" or "layer by layer", chosen as `verify` chooses: `codegen.verify.way`). log(line):
     progress; graphs, specializations: the names of those to check (default all)."""
-    precision = numerics.format_name(precision)
-    kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     results = []
@@ -237,6 +236,12 @@ def verify_precision(
                 }
             )
     return results
+
+
+def formats(precision, kv_dtype):
+    """(compute format, KV storage format or None), their canonical names (`fp16` → float16)."""
+    kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    return numerics.format_name(precision), kv
 
 
 def _feeds(spec, seed, kv):
@@ -269,7 +274,7 @@ def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
 
 
 def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
-    session, names = _device_session(entry, folder, precision)
+    session, names = _device_session(model, entry, folder, precision)
     producers = {o: n for n in inline(model).graph.node for o in n.output}
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
     retained_out = {b for _, b in spec.retained}
