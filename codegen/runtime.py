@@ -39,14 +39,16 @@ class RunError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
-    order, how many tokens to generate at most, the step at which it arrives, and its sampling
-    (None: greedy; else a `ref.gemma4.decoding.Sampling`, drawn as row 0 of a run alone)."""
+    order, how many tokens to generate at most, the step at which it arrives, its sampling
+    (None: greedy; else a `ref.gemma4.decoding.Sampling`) and the row whose generator its
+    draws use (0: as a run of it alone; `generate` gives row i its own)."""
 
     ids: np.ndarray
     images: list
     max_new_tokens: int
     arrival: int = 0
     sampling: decoding.Sampling | None = None
+    row: int = 0
 
 
 def ccl_for(ccls, position_ids):
@@ -144,8 +146,9 @@ class Runner:
                     [next(it) for _ in image_runs(r, *self.text.vision_token_ids)],
                     max_new_tokens,
                     sampling=sampling,
+                    row=i,
                 )
-                for r in rows
+                for i, r in enumerate(rows)
             ]
             tokens = self.serve(requests, log=log, stop=stop, emit=emit)[0]
             width = max(len(t) for t in tokens)
@@ -207,7 +210,7 @@ class Runner:
                 caches, logits = self._prefill(rows, images, caches, slots, log)
                 for r, s, row_logits in zip(group, slots, logits, strict=True):
                     waiting.remove(r)
-                    token = decoding.draw(row_logits, requests[r].sampling, 0, 0)
+                    token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
                     slot_of[r], last[s], tokens[r] = s, token, [token]
                     position[r] = len(requests[r].ids)
                     emit(r, token)
@@ -221,7 +224,8 @@ class Runner:
                 caches, logits = self._decode(caches, last, pos, np.arange(self.slots))
                 for r in decoding_now:
                     s = slot_of[r]
-                    last[s] = decoding.draw(logits[s], requests[r].sampling, 0, len(tokens[r]))
+                    n, row = len(tokens[r]), requests[r].row
+                    last[s] = decoding.draw(logits[s], requests[r].sampling, row, n)
                     tokens[r].append(int(last[s]))
                     emit(r, int(last[s]))
                 slots_now = sorted(slot_of[r] for r in decoding_now)

@@ -228,3 +228,17 @@ def test_serve_stops_at_a_stop_id_and_hands_the_slot_over(served, capsys):
     assert main([*args, "--eos-id", str(stop), "--quiet"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [",".join(str(int(t)) for t in w) for w in want[:2]]
+
+
+def test_sampled_rows_draw_as_their_rows_do_without_slots(served):
+    """`generate` over slots draws row i with row i's generator, as an export without slots
+    does: two equal prompts sample differently, and row 0 is what the request alone draws."""
+    from ref.gemma4.decoding import Sampling
+
+    _, runner = served
+    ids = prompt(np.random.default_rng(6), 7, [], 96)
+    hot = Sampling(temperature=5.0, top_k=0, top_p=1.0, seed=3)
+    rows = runner.generate([ids, ids], max_new_tokens=6, stop=(), sampling=hot)
+    assert (rows[0] != rows[1]).any()
+    alone, _ = runner.serve([Request(ids, [], 6, sampling=hot)], stop=())
+    np.testing.assert_array_equal(rows[0], alone[0])
