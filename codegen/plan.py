@@ -8,7 +8,7 @@ partial results combine.
 
 The blocks are `ref.blocking.BlockingConfig(...).plan(...)`'s; what is walked here is the loop
 nest of `ref.attention.blocks._blocked` (batch block → head block → query-head range → query block →
-KV block → pieces), and the pieces of a head-parallel block are `ref.blocking.ranges` of it.
+KV block → pieces), and the pieces of a head-parallel block are `ref.blocking_plan.ranges` of it.
 
 Cost model (one definition, used for dense too). A loop is one query block of one head range:
 rows = batch rows × kv heads × query heads per kv head × queries. Per tile that is not skipped,
@@ -31,7 +31,7 @@ from codegen.vector_options import (
     attention_sizes,
     blocking_config,
 )
-from ref.blocking import Plan, ranges
+from ref.blocking_plan import Plan, ranges
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 

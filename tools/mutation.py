@@ -45,8 +45,10 @@ ATTENTION_TESTS = [
 MODULES = {
     "ref/cache.py": ["tests/ref/test_cache.py", "tests/codegen/test_attention_export.py"],
     "ref/blocking.py": ["tests/ref/test_blocking.py"],
+    "ref/blocking_plan.py": ["tests/ref/test_blocking.py"],
     "ref/attention/dense.py": ATTENTION_TESTS,
     "ref/attention/blocks.py": ATTENTION_TESTS,
+    "ref/attention/tiles.py": ATTENTION_TESTS,
     "ref/rope.py": ["tests/ref/test_rope.py"],
     "ref/gemma4/packing.py": ["tests/ref/test_packing.py"],
     "ref/gemma4/schedule.py": [

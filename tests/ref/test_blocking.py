@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref.blocking import MODES, BlockingConfig, Plan, ranges
+from ref.blocking import MODES, BlockingConfig
+from ref.blocking_plan import Plan, ranges
 from tests.util import examples
 
 
