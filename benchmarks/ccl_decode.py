@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 from export_weight_free import write_sparse_checkpoint  # noqa: E402
 from gemma4_configs import CONFIGS  # noqa: E402
 
-from codegen.arguments import int_list, phase_blocking  # noqa: E402
-from codegen.export import ExportOptions, export  # noqa: E402
-from codegen.folder import open_session, read_manifest  # noqa: E402
+from codegen.cli.arguments import int_list, phase_blocking  # noqa: E402
+from codegen.export.command import ExportOptions, export  # noqa: E402
+from codegen.folder.sessions import open_session, read_manifest  # noqa: E402
 from weights import open_checkpoint  # noqa: E402
 
 CTX = 65536

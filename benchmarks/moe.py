@@ -5,7 +5,7 @@
 Two comparisons, as QEfficient compiles them: a decode step (`--decode-tokens`, 1: batch 1)
 dense vs gather, and a prefill chunk of `--tokens` (1,024) dense vs nsp (`--num-nsp` 16 cores,
 `--packed-chunk` 256 rows). Per case: the bytes of weights the matmuls read, their FLOPs, the
-ONNX graph's op set checked against `codegen.ops`, the median onnxruntime time of `--runs`
+ONNX graph's op set checked against `codegen.lower.ops`, the median onnxruntime time of `--runs`
 (after one warm-up), the peak RSS of the runs and what they added to the resident inputs
 (weights included; each case runs in its own process), and the largest difference
 from dense (the same inputs: every mode must give dense's answer). Routing: each token's
@@ -60,8 +60,8 @@ def export(mode, tokens, hidden, experts, inter, top_k, path):
     import jax
     from jax2onnx import to_onnx
 
-    from codegen import checks
-    from codegen.ops import OPSET
+    from codegen.check import structure as checks
+    from codegen.lower.ops import OPSET
     from ref.gemma4 import moe
 
     def fn(x, gate_up, down, weights, index):

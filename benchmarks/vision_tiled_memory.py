@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from codegen.checks import no_unclamped_dynamic_slice  # noqa: E402
-from codegen.trace import trace  # noqa: E402
-from codegen.vision_graph import vision_graph  # noqa: E402
+from codegen.check.structure import no_unclamped_dynamic_slice  # noqa: E402
+from codegen.graphs.vision import vision_graph  # noqa: E402
+from codegen.lower.trace import trace  # noqa: E402
 from ref.gemma4.config import VisionConfig  # noqa: E402
 from ref.gemma4.packing import pack  # noqa: E402
 from ref.gemma4.params import vision_param_shapes  # noqa: E402

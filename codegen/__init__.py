@@ -1,6 +1,8 @@
 """Lowers `ref` through jax2onnx to weight-free ONNX graphs for QAIC (the only package that
-knows ONNX or QAIC exists), checks and runs them. Entry points: `python -m codegen
-export|verify|run|serve|drift|vectors|plan`, or `codegen.export.export(ExportOptions(...))`,
-`codegen.verify.verify(folder)` and `codegen.runtime.Runner(folder)`. The export folder is
-read through `codegen.folder` (manifest.json and its format, sessions), which the runner
-imports without the exporter."""
+knows ONNX or QAIC exists), checks and runs them, in packages by job: `graphs` (what is
+exported), `lower` (jax2onnx and its fixes), `folder` (the export folder's contract), `export`
+(the command), `check` (verify, precision, drift), `run` (`run`, `serve`), `kit` (golden
+vectors and schedules), `cli` (the command line); docs/map.md draws them. Entry points:
+`python -m codegen export|verify|run|serve|drift|vectors|plan`, or
+`codegen.export.command.export(ExportOptions(...))`, `codegen.check.verify.verify(folder)` and
+`codegen.run.runtime.Runner(folder)`."""

@@ -1,15 +1,15 @@
 """`python -m codegen export|run|serve|verify|drift|vectors|plan`: dispatch (the grammar is in
-codegen/cli.py; see `--help` of each)."""
+codegen/cli/parser.py; see `--help` of each)."""
 
 import sys
 
-from codegen.arguments import blocking_modes
-from codegen.cli import parser
+from codegen.cli.arguments import blocking_modes
+from codegen.cli.parser import parser
 
 
 def _run_kit(args):
     """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
-    from codegen import moe_plan, plan, plan_draw, vector_options, vectors
+    from codegen.kit import draw, moe_schedule, schedule, vector_options, vectors
 
     sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
     try:
@@ -21,10 +21,10 @@ def _run_kit(args):
             print(f"wrote {args.out / 'vectors.safetensors'} and {args.out / 'vectors.json'}")
             return 0
         mode, options = vector_options.resolve(args.op, args.mode, given)
-        result = (moe_plan if args.op == "moe" else plan).report(mode, options, args.dtype)
+        result = (moe_schedule if args.op == "moe" else schedule).report(mode, options, args.dtype)
         print(result["table"])
         if args.png is not None:
-            info = plan_draw.draw(args.png, result, options)
+            info = draw.draw(args.png, result, options)
             print(f"wrote {args.png} ({info['tiles']} of {info['tiles_total']} tiles drawn)")
     except ValueError as e:
         print(f"python -m codegen {args.command}: error: {e}", file=sys.stderr)
@@ -33,7 +33,7 @@ def _run_kit(args):
 
 
 def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, specs=None):
-    from codegen.verify import table, verify
+    from codegen.check.verify import table, verify
 
     if not check_shards:
         print(
@@ -53,11 +53,11 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, sp
 
 
 def _run_precision(args):
-    from codegen.precision import precision_table, verify_precision
+    from codegen.check.precision import precision_table, verify_precision
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.write_npi:
-        from codegen.npi import plans_table, write_plans
+        from codegen.check.npi import plans_table, write_plans
 
         plans = write_plans(
             args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
@@ -76,7 +76,7 @@ def _run_precision(args):
 
 
 def _run_drift(args):
-    from codegen.drift import drift, drift_table
+    from codegen.check.drift import drift, drift_table
     from ref.gemma4.model import Gemma4
 
     if (args.out is None) == (args.model is None):
@@ -85,7 +85,7 @@ def _run_drift(args):
     if model.vision is None:
         raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")
     if args.plans:
-        from codegen.plan_drift import plan_drift, plan_drift_table
+        from codegen.check.plan_drift import plan_drift, plan_drift_table
 
         if args.out is None:
             raise ValueError("drift --plans: give an export folder (the plans name its nodes)")
@@ -121,15 +121,15 @@ def main(argv=None):
         if args.command == "drift":
             return _run_drift(args)
         if args.command == "run":
-            from codegen.inputs import main as run_main
+            from codegen.run.commands import main as run_main
 
             return run_main(args)
         if args.command == "serve":
-            from codegen.inputs import serve_main
+            from codegen.run.commands import serve_main
 
             return serve_main(args)
         # the exporter (jax2onnx) is imported only to export: run and serve read the folder
-        from codegen.export import ExportOptions, export, summary
+        from codegen.export.command import ExportOptions, export, summary
 
         blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
         # options left out are None here and take ExportOptions' defaults: their one home

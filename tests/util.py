@@ -74,7 +74,7 @@ def examples(n):
 
 def small_export(checkpoint, tmp_path_factory):
     """The folder of `checkpoint` exported with one vision budget (70) and seq_len 16."""
-    from codegen.export import ExportOptions, export
+    from codegen.export.command import ExportOptions, export
 
     out = tmp_path_factory.mktemp("export") / "out"
     export(ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16), log=print)

@@ -1,5 +1,5 @@
 """Which keys a query sees, decided key by key from positions, vision runs and the window in
-plain Python (not `ref`'s mask): the visibility oracle of tests/codegen/test_vectors.py and
+plain Python (not `ref`'s mask): the visibility oracle of tests/codegen/kit/test_vectors.py and
 test_plan.py."""
 
 import numpy as np

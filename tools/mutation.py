@@ -43,7 +43,7 @@ ATTENTION_TESTS = [
 
 # Module → the pytest arguments that select its tests (fast ones: they run once per mutant).
 MODULES = {
-    "ref/cache.py": ["tests/ref/test_cache.py", "tests/codegen/test_attention_export.py"],
+    "ref/cache.py": ["tests/ref/test_cache.py", "tests/codegen/graphs/test_attention_export.py"],
     "ref/blocking.py": ["tests/ref/test_blocking.py"],
     "ref/blocking_plan.py": ["tests/ref/test_blocking.py"],
     "ref/attention/dense.py": ATTENTION_TESTS,

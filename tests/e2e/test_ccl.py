@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from codegen.__main__ import main
-from codegen.export import ExportError, ExportOptions, export
+from codegen.check.verify import verify
+from codegen.export.command import ExportError, ExportOptions, export
 from codegen.graphs import GraphError
-from codegen.runtime import Request, RunError, Runner, ccl_for
-from codegen.verify import verify
+from codegen.run.runtime import Request, RunError, Runner, ccl_for
 from tests.hf_vision import patches_for
 from tests.text_oracle import hf_generate, hf_model, hf_request, prompt, text_config
 from tests.util import examples

@@ -1,4 +1,4 @@
-"""The chat template (`codegen.chat`): a prompt with images and videos rendered as one user turn
+"""The chat template (`codegen.run.chat`): a prompt with images and videos rendered as one user turn
 plus the model's, against transformers' `Gemma4Processor.apply_chat_template
 (add_generation_prompt=True)` with the same template and tokenizer: the same text, and the same
 ids once expanded and tokenized; and `run --chat` through an export gives transformers' tokens
@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from codegen import chat
 from codegen.__main__ import main
-from codegen.defaults import CHAT_TEMPLATE
-from codegen.export import ExportOptions, export
-from codegen.runtime import Runner
+from codegen.export.command import ExportOptions, export
+from codegen.export.defaults import CHAT_TEMPLATE
+from codegen.run import chat
+from codegen.run.runtime import Runner
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from codegen.__main__ import main
-from codegen.export import ExportOptions, export
-from codegen.inputs import row_text
+from codegen.export.command import ExportOptions, export
+from codegen.run.commands import row_text
 from ref.gemma4 import Gemma4
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_model, text_config

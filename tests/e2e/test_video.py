@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from codegen.__main__ import main
-from codegen.export import ExportOptions, export
-from codegen.media import read_video
-from codegen.runtime import RunError
+from codegen.export.command import ExportOptions, export
+from codegen.run.media import read_video
+from codegen.run.runtime import RunError
 from ref.gemma4 import Gemma4
 from ref.gemma4.multimodal import prompt_inputs
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer

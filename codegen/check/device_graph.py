@@ -1,0 +1,188 @@
+"""The exported graph as the device computes it, in onnxruntime: `device_graph` (functions
+inlined, every float tensor rounded to the compute format by a Cast pair but the node results a
+node-precision plan keeps in float32, three scalar statistics per tensor), its session, and the
+first tensor that turned non-finite. `verify --precision` (`codegen.check.precision`), its
+layer-by-layer form, the node-precision plan (`npi`) and `drift --plans` run it."""
+
+import os
+
+import onnx
+import onnx.inliner
+from onnx import TensorProto, helper
+
+from codegen.folder.sessions import session_at
+from ref import numerics
+
+_ONNX_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def layer_of(path):
+    """The layer a module path belongs to: up to its first index ("encoder.layers.0"), else
+    its first part ("patch_embedder", "VisionModel")."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def float_tensors(model):
+    """Names of the float32 tensors of an inlined model: its float inputs, then every node's
+    float outputs in node order (types from ONNX shape inference)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    typed = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    typed.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.output})
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [
+        v.name
+        for v in model.graph.input
+        if v.name not in inits and v.type.tensor_type.elem_type == TensorProto.FLOAT
+    ]
+    made = [o for n in model.graph.node for o in n.output if typed.get(o) == TensorProto.FLOAT]
+    return inputs, made
+
+
+def inline(model):
+    """The model with its ONNX functions inlined. jax2onnx's functions import their own
+    domain at version 18 where the model imports it at 1, which onnx's inliner refuses
+    ("incompatible opset versions") or skips; the versions are aligned to the model's first."""
+    versions = {o.domain: o.version for o in model.opset_import}
+    for f in model.functions:
+        for o in f.opset_import:
+            o.version = versions.get(o.domain, o.version)
+    return onnx.inliner.inline_local_functions(model)
+
+
+STATS = ("peak", "nan", "bad")  # per probed tensor: max finite |x|, any NaN, any non-finite
+
+
+def _stat_nodes(name):
+    """Nodes making `name/peak` (its largest finite |x|, 0 when none), `name/nan` and
+    `name/bad` (1.0 when any element is NaN / non-finite, else 0.0): float scalars, so a
+    probed tensor is read as three numbers, not held (a zero is appended: empty tensors
+    reduce too)."""
+
+    def node(op, inputs, out, **attrs):
+        ins = [i if i.startswith("stats/") or i == name else f"{name}/{i}" for i in inputs]
+        return helper.make_node(op, ins, [f"{name}/{out}"], name=f"{name}/{out}", **attrs)
+
+    return [
+        node("Reshape", [name, "stats/flat"], "flat"),
+        node("Concat", ["flat", "stats/zero"], "padded", axis=0),
+        node("IsNaN", ["padded"], "isnan"),
+        node("IsInf", ["padded"], "isinf"),
+        node("Or", ["isnan", "isinf"], "isbad"),
+        node("Abs", ["padded"], "abs"),
+        node("Where", ["isbad", "stats/zero", "abs"], "finite"),
+        node("ReduceMax", ["finite"], "peak", keepdims=0),
+        node("Cast", ["isnan"], "nanf", to=TensorProto.FLOAT),
+        node("ReduceMax", ["nanf"], "nan", keepdims=0),
+        node("Cast", ["isbad"], "badf", to=TensorProto.FLOAT),
+        node("ReduceMax", ["badf"], "bad", keepdims=0),
+    ]
+
+
+def device_graph(model, precision, keep=frozenset(), stats=True):
+    """The exported graph as the device computes it: functions inlined, every float32 input
+    and node result rounded to `precision` by a Cast pair — but the node results named in
+    `keep` (a node-precision plan: QAIC's FP32NodeInstanceNames), which stay float32 — and
+    three scalar outputs per node result (`_stat_nodes`: `name/peak`, `name/nan`,
+    `name/bad`; none when `stats` is False: the graph's own outputs only). model: an onnx
+    ModelProto (external data not loaded) → (ModelProto, probed tensor names in node order,
+    the names of their scalar outputs)."""
+    model = inline(model)
+    inputs, made = float_tensors(model)
+    to = _ONNX_TYPES[precision]
+    graph = model.graph
+    renamed = {name: f"{name}/exact" for name in inputs}
+    for node in graph.node:
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+        node.output[:] = [f"{o}/exact" if o in made else o for o in node.output]
+    nodes = list(graph.node)
+    rounding = {}
+    keep = set(keep)
+    for name in [n for n in made if n in keep]:
+        rounding[name] = [helper.make_node("Identity", [f"{name}/exact"], [name],
+                                           name=f"{name}/float32")]  # fmt: skip
+    for name in [n for n in [*inputs, *made] if n not in rounding]:
+        rounding[name] = [
+            helper.make_node("Cast", [f"{name}/exact" if name in made else name], [f"{name}/low"],
+                             to=to, name=f"{name}/to_low"),
+            helper.make_node("Cast", [f"{name}/low"], [name if name in made else renamed[name]],
+                             to=TensorProto.FLOAT, name=f"{name}/to_float"),
+        ]  # fmt: skip
+    ordered = [c for name in inputs for c in rounding[name]]
+    for node in nodes:
+        ordered.append(node)
+        for o in node.output:
+            if o.endswith("/exact"):
+                ordered += rounding[o[:-6]] + (_stat_nodes(o[:-6]) if stats else [])
+    del graph.node[:]
+    graph.node.extend(ordered)
+    graph.initializer.extend(
+        [
+            helper.make_tensor("stats/flat", TensorProto.INT64, [1], [-1]),
+            helper.make_tensor("stats/zero", TensorProto.FLOAT, [1], [0.0]),
+        ]
+    )
+    outputs = [f"{n}/{stat}" for n in made for stat in STATS] if stats else []
+    graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, []) for o in outputs)
+    return model, made, outputs
+
+
+def stats_of(got, names):
+    """{name: (largest finite |x|, any NaN, all finite)} from a device graph's scalar
+    outputs `got` ({output name: value})."""
+    return {
+        n: (float(got[f"{n}/peak"]), bool(got[f"{n}/nan"]), not bool(got[f"{n}/bad"]))
+        for n in names
+    }
+
+
+def device_session(model, entry, folder, precision, keep=frozenset()):
+    """(onnxruntime session, probed names) of `device_graph` of an exported graph (`model`, its
+    ModelProto as loaded, external data not); the rewritten file sits in the folder (its
+    external data paths are relative) while loading."""
+    model, names, _ = device_graph(model, precision, keep)
+    path = os.path.join(folder, f".precision.{entry.name}.onnx")
+    return session_at(model, path), names
+
+
+def first_nonfinite_onnx(stats, names, producers):
+    """The first probed tensor (node order) that turned non-finite — NaN anywhere, or inf made
+    from finite inputs — as "name (Op of input, …)", or None. stats: {name: (peak, any NaN,
+    all finite)} (`stats_of`; inputs may be among them); producers: {name: the node that
+    makes it}."""
+    name = first_nonfinite_name(stats, names, producers)
+    if name is None:
+        return None
+    node = producers[name]
+    return f"{name!r} ({node.op_type} of {', '.join(repr(i) for i in node.input)})"
+
+
+def first_nonfinite_name(stats, names, producers):
+    """The name `first_nonfinite_onnx` describes, or None."""
+    finite = {n: st[2] for n, st in stats.items()}
+    readers = {}
+    for node in {id(n): n for n in producers.values()}.values():
+        for i in node.input:
+            readers.setdefault(i, []).append(node.op_type)
+    for name in names:
+        node = producers[name]
+        # an inf read only by Clips (`export --clip-fp16`) is clamped before it spreads; a
+        # Constant beyond the range (a float32 mask fill) is an input, as ref's literals are
+        clamped = readers.get(name) and set(readers[name]) == {"Clip"}
+        nan = stats[name][1]
+        if node.op_type == "Constant" and not nan:
+            continue
+        if nan or (
+            not finite[name] and not clamped and all(finite.get(i, True) for i in node.input)
+        ):
+            return name
+    return None
+
+
+def formats(precision, kv_dtype):
+    """(compute format, KV storage format or None), their canonical names (`fp16` → float16)."""
+    kv = None if kv_dtype is None else numerics.format_name(kv_dtype, numerics.KV_FORMATS)
+    return numerics.format_name(precision), kv

@@ -1,0 +1,269 @@
+"""`verify --precision` layer by layer: the device model at released sizes, in memory set by
+the largest layer (see `codegen.check.layerwise` for the cut into segments and
+`codegen.check.precision` for the device model and the report).
+
+Three passes over one specialization, each holding one layer's weights at a time:
+
+1. float32 `ref` (verify's layer-by-layer reference): the graph's outputs to compare with.
+2. The exported graph in the device's format, one segment at a time (`device_graph.device_graph`
+   of each glue run and each layer call, functions inlined, a rounding Cast pair after every
+   float tensor), on the values its own earlier segments made: each tensor's largest |x|, the
+   first tensor that turns non-finite (by ONNX name), each graph output's error to float32.
+3. `ref` in the device model (`ref.numerics.probe`) over the exported composition, with each
+   layer, each row-gathered table and the output head an opaque host call that reads its
+   weights from the shards and runs the same device model inside it: records named by module
+   path, as the whole-graph check names them.
+"""
+
+import dataclasses
+import tempfile
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from codegen import graphs
+from codegen.check import layerwise as lw
+from codegen.check import segments as sg
+from codegen.check.device_graph import (
+    device_graph,
+    first_nonfinite_onnx,
+    inline,
+    layer_of,
+    stats_of,
+)
+from codegen.check.head_slices import head_rows
+from codegen.folder.sessions import give_back
+from ref import numerics, validate
+from ref.gemma4.step import Logits
+from ref.numerics import aval, host_call
+
+
+@dataclasses.dataclass
+class _Graph:
+    """What the passes share about one graph: its segments, the ONNX names of each layer
+    call's results and which values later segments read."""
+
+    spec: object
+    model: object
+    checkpoint: object
+    segments: list
+    last_use: dict
+    outputs: set
+
+    @property
+    def calls(self):
+        return [s for s in self.segments if s.layer is not None]
+
+    def call_names(self, k):
+        return list(self.calls[k].nodes[-1].output)
+
+    def released(self, k, made):
+        """`segments.released` for layer call k."""
+        at = self.segments.index(self.calls[k])
+        return sg.released(made, self.call_names(k), self.outputs, self.last_use, at)
+
+
+def _exact(g, feed, spill):
+    """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones
+    `layerwise.spilled` to the folder `spill`)."""
+    spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
+    got, calls = {}, []
+
+    def hook(module, kind, slot, arrays):
+        k = len(calls)
+        calls.append(k)
+        arrays = [jax.device_put(graphs.drawn(a)) for a in arrays]
+        params = lw.layer_weights(names, checkpoint, module)
+        made, out_map, tree = slot.results([*arrays, *params])
+        del params
+        slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
+        for n, v in zip(g.call_names(k), made, strict=True):
+            if n in g.outputs:
+                got[n] = lw.spilled(v, spill)
+        made = g.released(k, made)
+        give_back()
+        return slot.outputs(arrays, made)
+
+    want = lw.layered_reference(spec, checkpoint, feed, hook)
+    return {t.name: got.get(t.name, want[t.name]) for t in spec.outputs}
+
+
+class _OnnxProbe:
+    """Pass 2's sink: the largest finite |x| and the first non-finite tensor over segments."""
+
+    def __init__(self, log):
+        self.peak, self.bad, self.log, self.runs = 0.0, None, log, 0
+
+    def __call__(self, model, names, got, feed):
+        self.runs += 1
+        if model.functions:
+            self.log(f"onnx run {self.runs} (a layer call) done")
+        stats = stats_of(got, names)
+        self.peak = max([self.peak, *(st[0] for st in stats.values())])
+        if self.bad is not None:
+            return
+        producers = {o: n for n in inline(model).graph.node for o in n.output}
+        inputs = {  # only an input's finiteness is read: no copy or mask of a cache
+            n: (0.0, False, validate.all_finite(x))
+            for n, x in feed.items()
+            if np.asarray(x).dtype.kind == "f"
+        }
+        known = {**inputs, **stats}
+        self.bad = first_nonfinite_onnx(known, names, producers)
+
+
+def _onnx_device(g, folder, feed, precision, exact, store, log):
+    """Pass 2: (peak |x|, first non-finite name or None, {output: relative error})."""
+    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
+    runner = sg.Runner(
+        g.model, folder, feed, g.spec.head, g.checkpoint,
+        rewrite=lambda m: device_graph(m, precision), probe=probe,
+    )  # fmt: skip
+    errors = {}
+    for name, value in runner.run_all():
+        errors[name] = lw.error(store(name, value), exact[name])[1]
+    return probe.peak, probe.bad, errors
+
+
+def _param_avals(names, checkpoint, module):
+    return [
+        jax.ShapeDtypeStruct(tuple(checkpoint.tensors[n].shape), jnp.float32)
+        for n in lw.layer_names(names, module)
+    ]
+
+
+def _prefixed(records, start, prefix):
+    """Records from `start` on named under `prefix` (a probe inside a host call names its
+    operations from the called module down)."""
+    for i in range(start, len(records)):
+        r = records[i]
+        records[i] = dataclasses.replace(r, name=".".join(p for p in (prefix, r.name) if p))
+
+
+def _ref_device(g, feed, precision, exact, store, log):
+    """Pass 3: ({output: relative error}, records)."""
+    spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
+    records, errors, calls = [], {}, []
+
+    def hook(module, kind, slot, arrays):
+        k = len(calls)
+        calls.append(k)
+        arrays = [_drawn_here(a) for a in arrays]
+        params = _param_avals(names, checkpoint, module)
+        found = {}
+
+        def results(*a):
+            distinct, found["map"], found["tree"] = slot.results(list(a))
+            return distinct
+
+        avals = [aval(x.shape, x.dtype) for x in jax.eval_shape(results, *arrays, *params)]
+        slot = dataclasses.replace(slot, out_map=found["map"], out_tree=found["tree"])
+        path = ".".join(module.path)
+
+        def run(*concrete):
+            weights = lw.layer_weights(names, checkpoint, module)
+            start = len(records)
+            made, _ = numerics.probe(
+                lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
+                records=records,
+            )  # fmt: skip
+            del weights
+            _prefixed(records, start, path)
+            for n, v in zip(g.call_names(k), made, strict=True):
+                if n in g.outputs:
+                    errors[n] = lw.error(store(n, v), exact[n])[1]
+            log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
+            made = g.released(k, made)
+            give_back()
+            return made
+
+        made = host_call(run, avals, *arrays)
+        return slot.outputs(list(arrays), made)
+
+    args = [feed[t.name] if t.name in spec.lazy else graphs.drawn(feed[t.name])
+            for t in spec.inputs]  # fmt: skip
+    args += lw.deferred_weights(spec, checkpoint).values()
+    lazy = {j: a for j, a in enumerate(args) if isinstance(a, graphs.Drawn)}
+
+    def fn(*given):  # the `Drawn` inputs reach their layers as they are, not traced
+        it = iter(given)
+        return spec.fn(*(lazy[j] if j in lazy else next(it) for j in range(len(args))))
+
+    with (
+        graphs.layer_scope(),
+        graphs.layer_check(hook),
+        nn.intercept_methods(lw.gather_rows(names, checkpoint)),
+        nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
+    ):
+        given = [a for j, a in enumerate(args) if j not in lazy]
+        out, _ = numerics.probe(fn, precision, *given, records=records)
+    for t, v in zip(spec.outputs, out, strict=True):
+        if t.name not in errors:
+            errors[t.name] = lw.error(store(t.name, v), exact[t.name])[1]
+    return errors, records
+
+
+def _drawn_here(x):
+    """A `graphs.Drawn` layer argument as a host call that draws it, evaluated just before
+    the layer that reads it; any other argument as it is."""
+    if not isinstance(x, graphs.Drawn):
+        return x
+    return host_call(lambda: [x.value()], [aval(x.shape, x.dtype)])[0]
+
+
+def _head_call(name, checkpoint, precision, records):
+    """`layerwise.head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
+    rows of the head at a time, recorded under "Logits"."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        mine = isinstance(module, Logits) and context.method_name == "__call__"
+        if not mine or args[1].size:
+            return next_fun(*args, **kwargs)
+        vocab = checkpoint.tensors[name].shape[0]
+        hidden = args[0]
+
+        def run(x):
+            parts = []
+            for rows in head_rows(checkpoint, name):
+                start = len(records)
+                fn = Logits(cap=module.cap).apply
+                parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])
+                _prefixed(records, start, "Logits")
+            return [jnp.concatenate(parts, axis=-1)]
+
+        (got,) = host_call(run, [aval((*hidden.shape[:-1], vocab))], hidden)
+        return got
+
+    return interceptor
+
+
+def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log):
+    """One specialization of `verify --precision` layer by layer → (layers [(layer, max
+    |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
+    or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
+    stored as `kv`); kv: the KV storage format or None."""
+    segs, last_use = sg.segments(model)
+    g = _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
+    retained = {b for _, b in spec.retained}
+
+    def store(name, x):
+        return numerics.store(x, kv) if kv is not None and name in retained else x
+
+    with tempfile.TemporaryDirectory(prefix="precision.") as spill:
+        log(f"  {spec.name}: float32 reference")
+        exact = _exact(g, feed, spill)
+        log(f"  {spec.name}: onnx in {precision}")
+        onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
+                                                    log)  # fmt: skip
+        ref_err, records = _ref_device(g, feed, precision, exact, store, log)
+        del exact
+    layers = {}
+    for r in records:
+        key = layer_of(r.name)
+        layers[key] = max(layers.get(key, 0.0), r.max_abs)
+    errors = [(t.name, ref_err[t.name], onnx_err[t.name]) for t in spec.outputs]
+    bad = next((r for r in records if r.nonfinite), None)
+    return list(layers.items()), onnx_max, bad, onnx_bad, errors

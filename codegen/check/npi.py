@@ -1,0 +1,126 @@
+"""A measured node-precision plan: the node outputs QAIC must keep in float32 for a graph to
+stay finite in float16 (`verify --precision fp16 --write-npi`), written as the compiler's
+node-precision-info YAML (`FP32NodeInstanceNames:`), which compile.sh passes as
+`-node-precision-info` when the file is there.
+
+The search, per graph, over every specialization's calibration inputs (verify's drawn ones):
+run the device graph (`device_graph.device_graph`: every float tensor rounded to the format
+except the plan's), take the first tensor that turns non-finite (`first_nonfinite_name`), keep
+it in float32, run again, until nothing turns non-finite. Each kept node is the one the device
+would otherwise overflow first, so the plan holds only nodes that overflow given the ones
+before them — a small set, not a proven minimum. QEfficient decides by rule instead: every
+non-MatMul node output of the decoder layers in float32 (its E2B file lists 4,010), every Add
+and RMSNorm of the vision tower.
+
+Names are those of the inlined graph (a node inside a layer function is named as onnx's
+inliner names it), each checked to exist there. Only whole-graph exports are planned; a
+graph `verify` checks layer by layer (a released size) is refused by name.
+"""
+
+import os
+
+from codegen.check.device_graph import (
+    device_session,
+    first_nonfinite_name,
+    formats,
+    inline,
+    stats_of,
+)
+from codegen.check.precision import sample_feeds
+from codegen.check.verify import opened, way
+from codegen.graphs import drawn_feed
+from ref import numerics
+
+SUFFIX = ".npi.yaml"
+MOST = 64  # nodes a plan may add before the search gives up
+
+
+class PlanError(ValueError):
+    """A graph cannot be planned, or a plan names a node the graph does not have."""
+
+
+def plan_graph(entry, spec, model, folder, precision, kv, seed, log):
+    """The plan of one graph → (kept node names in the order found, [(specialization, name,
+    op)], headroom: (the format's largest finite value over the largest |x| left rounded,
+    that tensor's name))."""
+    producers = {o: n for n in inline(model).graph.node for o in n.output}
+    keep, found, top = [], [], (0.0, None)
+    for s, feed in sample_feeds(spec, seed, kv):
+        while True:
+            session, names = device_session(model, entry, folder, precision, frozenset(keep))
+            out = [o.name for o in session.get_outputs()]
+            got = dict(zip(out, session.run(None, drawn_feed(feed)), strict=True))
+            stats = stats_of(got, names)
+            bad = first_nonfinite_name(stats, names, producers)
+            if bad is None:
+                top = max([top] + [(stats[n][0], n) for n in names if n not in keep])
+                break
+            if len(keep) == MOST:
+                raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
+            keep.append(bad)
+            found.append((s["name"], bad, producers[bad].op_type))
+            log(f"{spec.name} {s['name']}: keep {bad!r} ({producers[bad].op_type}) in float32")
+    ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
+    return keep, found, (ratio, top[1])
+
+
+def npi_yaml(names):
+    """The node-precision-info file's text: FP32NodeInstanceNames, one name a line."""
+    lines = ["FP32NodeInstanceNames:"] + [f'  - "{n}"' for n in names]
+    return "\n".join(lines) + "\n"
+
+
+def read_npi(path, model):
+    """The names of a node-precision-info file, each checked to be a node output of `model`
+    (inlined) → list; PlanError naming the first unknown one."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise PlanError(f"{path}: {e}") from e
+    if not lines or lines[0].strip() != "FP32NodeInstanceNames:":
+        raise PlanError(f"{path}: expected 'FP32NodeInstanceNames:' on its first line")
+    names = [line.strip()[1:].strip().strip('"') for line in lines[1:] if line.strip()]
+    made = {o for n in inline(model).graph.node for o in n.output}
+    for name in names:
+        if name not in made:
+            raise PlanError(f"{path}: node output {name!r} is not in the graph")
+    return names
+
+
+def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
+                log=None):  # fmt: skip
+    """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
+    whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
+    rows, headroom)]."""
+    precision, kv = formats(precision, kv_dtype)
+    log = log or (lambda line: None)
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
+    plans = []
+    for entry, spec, model in chosen:
+        if way(spec, entry, model, checkpoint, None) == "layers":
+            raise PlanError(f"{spec.name}: too large for a whole-graph plan (verify's way)")
+        keep, found, headroom = plan_graph(entry, spec, model, folder, precision, kv, seed, log)
+        path = os.path.join(folder, spec.name + SUFFIX)
+        if keep:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(npi_yaml(keep))
+            os.replace(tmp, path)
+            read_npi(path, model)
+        elif os.path.exists(path):
+            os.remove(path)
+        plans.append((spec.name, keep, found, headroom))
+    return plans
+
+
+def plans_table(plans, precision):
+    """The report: per graph the nodes kept in float32 (where found, op) and the headroom."""
+    lines = []
+    for graph, keep, found, (ratio, tensor) in plans:
+        lines.append(
+            f"{graph}: {len(keep)} node(s) in float32, headroom {ratio:.4g}x in {precision} "
+            f"(largest rounded: {tensor!r})" + (f" -> {graph}{SUFFIX}" if keep else "")
+        )
+        lines += [f"  {s}: {name} ({op})" for s, name, op in found]
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""What the device will compute, before compiling: `verify --precision` (`drift`, the same
+device model over generated tokens, is `codegen.check.drift`).
+
+It runs the device model of `ref.numerics` (every tensor stored in the compute format, each
+operation computing at float32 from stored operands and rounding once; the KV cache stored
+in `--kv-dtype` between steps). `verify --precision` runs it twice per graph and
+specialization, on `verify`'s sample inputs: on `ref` (the exported composition's jaxpr,
+`ref.numerics.probe`, named by module path) and on the exported ONNX graph itself (functions
+inlined, a rounding Cast pair after every float tensor, every tensor an output, in
+onnxruntime float32 — named by ONNX tensor). What it proves: under that model of the device,
+on these inputs, no tensor of the graph QAIC compiles leaves the format's range (or names
+the first that does), with the headroom left per layer and the error to float32. What it
+cannot prove: that QAIC keeps no op in another precision, or inputs unlike these.
+"""
+
+import dataclasses
+import zlib
+from functools import partial
+
+import jax
+import numpy as np
+
+from codegen import graphs
+from codegen.check.device_graph import (
+    device_session,
+    first_nonfinite_onnx,
+    formats,
+    inline,
+    layer_of,
+    stats_of,
+)
+from codegen.check.layered_precision import precision_specialization
+from codegen.check.layerwise import error
+from codegen.check.verify import opened, way
+from ref import numerics
+
+# --- verify --precision ----------------------------------------------------------------------
+
+
+def verify_precision(
+    folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
+    log=None, graphs=None, specializations=None,
+):  # fmt: skip
+    """Every graph and specialization of an export in `precision` (KV inputs and retained
+    outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
+    layers [(layer, max |x|)], onnx_max, first nonfinite (ref: Record or None; onnx: name or
+    None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`, way ("whole
+    graph" or "layer by layer", chosen as `verify` chooses: `codegen.check.verify.way`). log(line):
+    progress; graphs, specializations: the names of those to check (default all)."""
+    precision, kv = formats(precision, kv_dtype)
+    log = log or (lambda line: None)
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
+    results = []
+    # each spec's fn: the composition exported (vision tiles included: their order is in it)
+    for entry, spec, model in chosen:
+        layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
+        log(f"verify --precision {precision} {spec.name}: "
+            f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
+        check = _layered if layered else _whole
+        for s, found in check(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+            results.append(
+                {
+                    "graph": spec.name,
+                    "specialization": s["name"],
+                    **found,
+                    "clipped": entry.clipped,
+                    "way": "layer by layer" if layered else "whole graph",
+                }
+            )
+    return results
+
+
+def sample_feeds(spec, seed, kv):
+    """(specialization, its sample inputs with the retained ones stored as `kv`)."""
+    retained_in = {a for a, _ in spec.retained}
+    for s in spec.specializations:
+        rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
+        feed = spec.sample(s["symbols"], rng)
+        if kv is not None:
+            feed = {k: _stored(v, kv) if k in retained_in else v for k, v in feed.items()}
+        yield s, feed
+
+
+def _stored(x, kv):
+    """x (an array or `graphs.Drawn`) as the KV cache stores it in format kv."""
+    if isinstance(x, graphs.Drawn):
+        return dataclasses.replace(x, then=partial(numerics.store, kv_format=kv))
+    return np.asarray(numerics.store(x, kv))
+
+
+def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+    for s, feed in sample_feeds(spec, seed, kv):
+        layers, onnx_max, ref_bad, onnx_bad, errors = precision_specialization(
+            spec, model, folder, checkpoint, feed, precision, kv, log
+        )
+        yield s, {"layers": layers, "onnx_max": onnx_max, "ref_nonfinite": ref_bad,
+                  "onnx_nonfinite": onnx_bad, "errors": errors}  # fmt: skip
+
+
+def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+    session, names = device_session(model, entry, folder, precision)
+    producers = {o: n for n in inline(model).graph.node for o in n.output}
+    weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+    retained_out = {b for _, b in spec.retained}
+    for s, feed in sample_feeds(spec, seed, kv):
+        feed = graphs.drawn_feed(feed)
+        args = [feed[t.name] for t in spec.inputs] + weights
+        with graphs.layer_scope():
+            exact = jax.jit(spec.fn)(*args)
+            low, records = numerics.probe(spec.fn, precision, *args)
+        names_out = [o.name for o in session.get_outputs()]
+        got = dict(zip(names_out, session.run(None, feed), strict=True))
+        errors = []
+        for t, want, mine in zip(spec.outputs, exact, low, strict=True):
+            theirs = got[t.name]
+            if kv is not None and t.name in retained_out:
+                mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
+            errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
+        layers = {}
+        for r in records:
+            key = layer_of(r.name)
+            layers[key] = max(layers.get(key, 0.0), r.max_abs)
+        stats = stats_of(got, names)
+        yield (
+            s,
+            {
+                "layers": list(layers.items()),
+                "onnx_max": max((st[0] for st in stats.values()), default=0.0),
+                "ref_nonfinite": next((r for r in records if r.nonfinite), None),
+                "onnx_nonfinite": first_nonfinite_onnx(stats, names, producers),
+                "errors": errors,
+            },
+        )
+
+
+def table(head, rows):
+    """Rows of cells as left-aligned text columns, the head first."""
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *rows]
+    )
+
+
+def precision_table(results, precision):
+    """The `verify --precision` report: per graph, specialization and layer the largest |x|
+    and the headroom to the format's largest finite value; the first non-finite tensor; the
+    outputs' relative error to float32 (`ref` in the format, and the ONNX graph in it)."""
+    precision = numerics.format_name(precision)
+    top = numerics.finite_max(precision)
+
+    def headroom(peak):
+        return f"{top / peak:.3g}x" if peak else "-"
+
+    layer_rows, error_rows, bad, notes = [], [], [], []
+    for r in results:
+        where = (r["graph"], r["specialization"])
+        layer_rows += [
+            (*where, name or "(outside modules)", f"{peak:.4g}", headroom(peak))
+            for name, peak in r["layers"]
+        ]
+        layer_rows.append((*where, "(onnx, every tensor)", f"{r['onnx_max']:.4g}",
+                           headroom(r["onnx_max"])))  # fmt: skip
+        error_rows += [(*where, o, f"{a:.2e}", f"{b:.2e}") for o, a, b in r["errors"]]
+        ref_bad, onnx_bad = r["ref_nonfinite"], r["onnx_nonfinite"]
+        if ref_bad is not None:
+            line = (
+                f"{r['graph']}/{r['specialization']}: ref: {ref_bad.primitive} "
+                f"{list(ref_bad.shape)} in {ref_bad.name or '(top)'} turns non-finite"
+            )
+            # an --clip-fp16 export: ref has no clamps, the graph's own verdict is the onnx one
+            (notes if r["clipped"] else bad).append(line)
+        if onnx_bad is not None:
+            bad.append(f"{r['graph']}/{r['specialization']}: onnx: tensor {onnx_bad} "
+                       "turns non-finite")  # fmt: skip
+    text = [
+        f"{precision}: largest finite {top:g}",
+        table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
+        "",
+        table(
+            ("graph", "specialization", "output", f"ref {precision} err", f"onnx {precision} err"),
+            error_rows,
+        ),
+    ]
+    text += ["", *bad] if bad else ["", f"no tensor of the graphs leaves the {precision} range"]
+    text += [f"{n} (clamped in the graph by --clip-fp16)" for n in notes]
+    return "\n".join(text), bad

@@ -1,0 +1,336 @@
+"""The exported graph cut at its layer calls, run in onnxruntime a segment at a time (for
+`verify` and `verify --precision` layer by layer: `codegen.check.layerwise`,
+`codegen.check.layered_precision`).
+
+`segments` cuts the top-level nodes into each layer call alone (with the Casts of its own
+weights) and the runs of glue between calls; `Runner` runs them in order, each as its own
+onnxruntime model, dropping values no later segment reads; a layer call's weights read from
+the very bytes `ref` read are fed `ref`'s arrays (`bound_weights`); a glue segment that
+projects onto the output head runs a slice of the head's rows at a time (`vocab_slices`).
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from codegen import graphs
+from codegen.check.head_slices import head_rows, rows_before_cast, vocab_slices
+from codegen.folder.external import WeightError, onnx_dtype
+from codegen.folder.sessions import give_back, session_at
+
+
+class LayerwiseError(ValueError):
+    """The graph cannot be checked layer by layer (no layer functions in it)."""
+
+
+def has_layers(model):
+    """True when the top-level graph calls the model's own functions (layers)."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    return any((n.domain, n.op_type) in functions for n in model.graph.node)
+
+
+@dataclasses.dataclass
+class Segment:
+    """Top-level nodes run as one onnxruntime model: a layer call (`layer` its index among the
+    calls) or glue (`layer` None); `needs` the values it reads from earlier segments or the
+    graph inputs, `makes` the values later segments or the graph's outputs read."""
+
+    nodes: list
+    layer: int | None
+    needs: list = dataclasses.field(default_factory=list)
+    makes: list = dataclasses.field(default_factory=list)
+    weights: list = dataclasses.field(default_factory=list)
+
+
+def _constant_values(graph):
+    """Names whose value is fixed by the graph alone: initializers and the outputs of nodes
+    that read nothing else (weight Casts, Constants)."""
+    fixed = {t.name for t in graph.initializer}
+    producer = {}
+    for node in graph.node:
+        if all(x in fixed or x == "" for x in node.input):
+            fixed.update(node.output)
+            for o in node.output:
+                producer[o] = node
+    return fixed, producer
+
+
+def segments(model):
+    """The graph's top-level nodes cut into `Segment`s, in execution order (see the module)."""
+    graph = model.graph
+    functions = {(f.domain, f.name) for f in model.functions}
+    fixed, const_producer = _constant_values(graph)
+    initializers = {t.name for t in graph.initializer}
+    const_nodes = {id(n) for n in const_producer.values()}
+    order = {id(n): i for i, n in enumerate(graph.node)}
+    out, layer = [], 0
+    for node in graph.node:
+        if id(node) in const_nodes:
+            continue
+        if (node.domain, node.op_type) in functions:
+            out.append(Segment([node], layer))
+            layer += 1
+        elif out and out[-1].layer is None:
+            out[-1].nodes.append(node)
+        else:
+            out.append(Segment([node], None))
+    last_use = {}
+    for i, seg in enumerate(out):
+        made = set()
+        pulled, weights = {}, []
+        for node in seg.nodes:
+            stack = [x for x in node.input if x in fixed and x not in initializers]
+            while stack:
+                c = const_producer[stack.pop()]
+                if id(c) not in pulled:
+                    pulled[id(c)] = c
+                    stack += [x for x in c.input if x in fixed and x not in initializers]
+        seg.nodes = sorted(pulled.values(), key=lambda n: order[id(n)]) + seg.nodes
+        for node in seg.nodes:
+            for x in node.input:
+                if x in initializers:
+                    weights.append(x)
+                elif x and x not in made and x not in seg.needs:
+                    seg.needs.append(x)
+                    last_use[x] = i
+            made.update(node.output)
+        seg.weights = list(dict.fromkeys(weights))
+    outputs = {o.name for o in graph.output}
+    for i, seg in enumerate(out):
+        for node in seg.nodes:
+            wanted = seg.layer is not None and node is seg.nodes[-1]  # a call: all compared
+            seg.makes += [
+                o for o in node.output if wanted or last_use.get(o, -1) > i or o in outputs
+            ]
+    return out, last_use
+
+
+_ONNX_TYPES = {
+    np.dtype(np.float32): onnx.TensorProto.FLOAT,
+    np.dtype(np.float64): onnx.TensorProto.DOUBLE,
+    np.dtype(np.int32): onnx.TensorProto.INT32,
+    np.dtype(np.int64): onnx.TensorProto.INT64,
+    np.dtype(np.bool_): onnx.TensorProto.BOOL,
+}
+
+
+class Runner:
+    """onnxruntime over one graph's segments at one specialization (see the module)."""
+
+    def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None):
+        """rewrite(segment ModelProto) → (ModelProto, probed names, extra outputs): each
+        segment run as rewritten, its extra outputs handed to probe(segment ModelProto, probed
+        names, {extra output: value}, the segment's feed) (`verify --precision`)."""
+        self.model, self.folder = model, folder
+        self.head, self.checkpoint = head, checkpoint
+        self.rewrite, self.probe = rewrite, probe
+        self.segments, self.last_use = segments(model)
+        self.inits = {t.name: t for t in model.graph.initializer}
+        self.values = dict(feed)
+        self.outputs = {o.name for o in model.graph.output}
+        self.made = {}  # graph outputs onnxruntime made, compared at the end
+        self.next = 0
+        self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
+
+    def _session(self, nodes, needs, makes, weights, feed):
+        graph = helper.make_graph(
+            rows_before_cast(nodes, set(weights)),
+            f"segment_{self.next}",
+            [
+                helper.make_tensor_value_info(n, _ONNX_TYPES[np.asarray(feed[n]).dtype], None)
+                for n in needs
+            ],
+            [onnx.ValueInfoProto(name=n) for n in makes],
+            initializer=[self.inits[w] for w in weights],
+        )
+        m = helper.make_model(
+            graph,
+            opset_imports=list(self.model.opset_import),
+            ir_version=self.model.ir_version,
+            functions=list(self.model.functions),
+        )
+        path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
+        if self.rewrite is None:
+            return _Probed(session_at(m, path), m)
+        rewritten, *probed = self.rewrite(onnx.ModelProto.FromString(m.SerializeToString()))
+        return _Probed(session_at(rewritten, path), m, *probed, self.probe)
+
+    def _outputs(self, seg, feed):
+        """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
+        run); a glue segment that projects onto the output head runs once per VOCAB_ROWS rows
+        of it (`vocab_slices`)."""
+        feed = {n: graphs.drawn(feed[n]) for n in seg.needs}
+        sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
+        if sliced is None or self.checkpoint is None:
+            session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed)
+            return session.run(seg.makes, {n: feed[n] for n in seg.needs})
+        nodes, fed, derived = sliced
+        weights = [w for w in seg.weights if w != self.head]
+        session = self._session(nodes, [*seg.needs, fed], seg.makes, weights,
+                                {**feed, fed: np.zeros(1, np.float32)})  # fmt: skip
+        parts = [
+            session.run(seg.makes, {**{n: feed[n] for n in seg.needs}, fed: rows})
+            for rows in head_rows(self.checkpoint, self.head)
+        ]
+        return [
+            np.concatenate([p[k] for p in parts], axis=-1) if n in derived else parts[0][k]
+            for k, n in enumerate(seg.makes)
+        ]
+
+    def _run(self, seg, feed):
+        out = self._outputs(seg, feed)
+        index = self.next
+        self.next += 1
+        for n, v in zip(seg.makes, out, strict=True):
+            if n in self.outputs and seg.layer is None:
+                self.made[n] = v
+        for n in seg.needs:
+            if self.last_use.get(n) == index and n not in self.outputs:
+                self.values.pop(n, None)
+        return dict(zip(seg.makes, out, strict=True))
+
+    def glue_until(self, call):
+        """Run the glue before layer call `call` (all remaining glue when None)."""
+        stop = len(self.segments) if call is None else self.calls[call]
+        while self.next < stop:
+            seg = self.segments[self.next]
+            if seg.layer is not None:
+                raise LayerwiseError(f"layer call {seg.layer} reached before `ref` gave it")
+            self.values.update(self._run(seg, self.values))
+
+    def run_all(self):
+        """Every segment, layer calls included, on the values onnxruntime made itself → yields
+        (graph output, value) as each is made; values no later segment reads are dropped."""
+        while self.next < len(self.segments):
+            at = self.next
+            seg = self.segments[at]
+            for n, v in self._run(seg, self.values).items():
+                if n in self.outputs:
+                    self.made.pop(n, None)
+                    yield n, v
+                if self.last_use.get(n, -1) > at:
+                    self.values[n] = v
+            if seg.layer is not None:
+                give_back()
+
+    def layer(self, call, kind, arrays, weights, made):
+        """Layer call `call` (function `kind`) on `ref`'s inputs `arrays` and its weights
+        [(checkpoint name, float32 array)] → (its inputs as onnxruntime's glue made them, or
+        None where `ref`'s carry on, and its results on `ref`'s inputs); then `ref`'s results
+        `made` carry on. A weight the graph reads from the very bytes `ref` read is fed
+        `ref`'s array (`bound_weights`), so the layer's weights are held once."""
+        self.glue_until(call)
+        seg = self.segments[self.next]
+        node = seg.nodes[-1]
+        args = list(node.input)[: len(arrays)]
+        if (node.op_type, len(node.input)) != (kind, len(arrays) + len(weights)):
+            raise LayerwiseError(
+                f"layer call {call} is {node.op_type} with {len(node.input)} inputs; `ref` "
+                f"called {kind} with {len(arrays)} arrays and {len(weights)} weights"
+            )
+        glue = {n: self.values[n] for n in args if _made(self.values.get(n))}
+        feed = dict(self.values)
+        feed.update({n: np.asarray(a) for n, a in zip(args, arrays, strict=True)})
+        if self.checkpoint is not None:
+            seg, bound = bound_weights(seg, len(arrays), weights, self.inits, self.folder,
+                                       self.checkpoint.tensors)  # fmt: skip
+            feed.update(bound)
+        got = self._run(seg, feed)
+        ours = [got[o] for o in node.output]
+        for n, v in zip(node.output, made, strict=True):
+            if self.last_use.get(n, -1) >= self.next:  # read by a later segment
+                self.values[n] = np.asarray(v)
+        return [glue.get(n) for n in args], ours
+
+    def released(self, call, names, made):
+        """`released` for layer call `call`, onnxruntime's `names` of its results `made`."""
+        return released(made, names, self.outputs, self.last_use, self.calls[call])
+
+
+def _made(x):
+    """True for a value a segment made or was fed (not an input still to draw)."""
+    return x is not None and not isinstance(x, graphs.Drawn)
+
+
+def released(made, names, outputs, last_use, at):
+    """`made` (a layer call's `ref` results; `names`: onnxruntime's for them, the call the
+    segment at index `at`) with each graph output that no later segment reads, compared
+    already, replaced by a `graphs.Released` of its shape and dtype: a step's new caches are
+    then not all held until it ends."""
+    return tuple(
+        graphs.Released(v.shape, v.dtype) if n in outputs and last_use.get(n, -1) <= at else v
+        for n, v in zip(names, made, strict=True)
+    )
+
+
+def _same_bytes(tensor, info, folder):
+    """True when initializer `tensor` is external data at exactly checkpoint tensor `info`'s
+    bytes (same file, offset, length, element type and shape)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return False
+    where = {e.key: e.value for e in tensor.external_data}
+    try:
+        place = os.path.realpath(os.path.join(folder, where["location"]))
+        span = (int(where.get("offset", 0)), int(where["length"]))
+        kind = onnx_dtype(info)
+    except (KeyError, ValueError, WeightError):
+        return False
+    return (
+        place == os.path.realpath(info.file)
+        and span == (info.offset, info.nbytes)
+        and (tensor.data_type, tuple(tensor.dims)) == (kind, tuple(info.shape))
+    )
+
+
+def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
+    """(the layer call segment `seg` with each weight input the graph reads from the bytes of
+    the checkpoint tensor `ref` read for it — the initializer itself if float32, or its Cast
+    to float32 — made a segment input; {that input: `ref`'s float32 array}). The values are
+    the same (a widening cast is exact); a weight bound to any other bytes keeps the graph's
+    own initializer, so onnxruntime computes with what the graph holds."""
+    node = seg.nodes[-1]
+    made_by = {o: n for n in seg.nodes[:-1] for o in n.output}
+    dropped, bound = set(), {}
+    for x, (name, array) in zip(node.input[n_arrays:], weights, strict=True):
+        source, cast = x, made_by.get(x)
+        if cast is not None:
+            to = next((a.i for a in cast.attribute if a.name == "to"), None)
+            if cast.op_type != "Cast" or to != onnx.TensorProto.FLOAT or len(cast.input) != 1:
+                continue
+            source = cast.input[0]
+        elif inits.get(x) is None or inits[x].data_type != onnx.TensorProto.FLOAT:
+            continue
+        info = tensors.get(name)
+        if source in inits and info is not None and _same_bytes(inits[source], info, folder):
+            bound[x] = np.asarray(array)
+            dropped.add(id(cast))
+    if not bound:
+        return seg, {}
+    nodes = [n for n in seg.nodes if id(n) not in dropped]
+    read = {i for n in nodes for i in n.input}
+    seg = dataclasses.replace(
+        seg, nodes=nodes, needs=[*seg.needs, *bound], weights=[w for w in seg.weights if w in read]
+    )
+    return seg, bound
+
+
+@dataclasses.dataclass
+class _Probed:
+    """A segment's session whose run also hands its extra outputs to `probe`."""
+
+    session: object
+    model: object
+    names: tuple = ()
+    extra: tuple = ()
+    probe: object = None
+
+    def run(self, names, feed):
+        if not self.extra:
+            return self.session.run(names, feed)
+        wanted = [*names, *self.extra]
+        got = dict(zip(wanted, self.session.run(wanted, feed), strict=True))
+        self.probe(self.model, self.names, {n: got[n] for n in self.extra}, feed)
+        return [got[n] for n in names]

@@ -1,0 +1,13 @@
+"""The export's default option values, in one home: `codegen.export.command.ExportOptions`
+takes them as its field defaults and `codegen.cli.parser` quotes them in `--help` (the command
+line leaves an option it is not given to ExportOptions). No imports: the command line reads it
+cheaply."""
+
+EXPORT_DEFAULTS = {
+    "batch_size": 1,
+    "seq_len": 128,
+    "ctx_len": 256,
+    "num_cores": 16,
+    "num_devices": 1,
+    "hw_version": "ai100",
+}

@@ -1,0 +1,280 @@
+"""What `python -m codegen run` and `serve` read from the command line — image and video files
+(`codegen.run.media`), the export's tokenizer.json and chat template (`codegen.run.chat`), prompts,
+patch files, stop ids and sampling, a JSONL file of requests — turned into what
+`codegen.run.runtime.Runner` takes; and the two commands' output, `run`'s text streamed as it
+arrives."""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from codegen.run import chat
+from codegen.run.media import read_image, read_video
+from codegen.run.runtime import Request, RunError, Runner
+from ref.gemma4.config import VisionConfig
+from ref.gemma4.decoding import Sampling
+from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
+from ref.gemma4.multimodal import prompt_inputs
+from ref.gemma4.prompts import prompt_tokens
+
+
+def read_tokenizer(folder):
+    """The export folder's tokenizer.json (copied from the checkpoint) as a `tokenizers`
+    Tokenizer."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise RunError(
+            f"--prompt needs {path}: export from a checkpoint folder holding tokenizer.json, "
+            "or pass --prompt-ids"
+        )
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises its own exception types
+        raise RunError(f"{path}: not a readable tokenizer.json ({e})") from e
+
+
+def default_soft_tokens(runner):
+    """The largest exported budget whose image run fits one prefill chunk (else the least)."""
+    fits = [b for b in runner.budgets if b <= runner.seq_len]
+    return max(fits) if fits else min(runner.budgets, default=70)
+
+
+def _photo_prompt(args, runner):
+    """(prompt ids, items) from --image and --video files with --prompt text or placeholder
+    --prompt-ids (`ref.gemma4.multimodal.prompt_inputs`)."""
+    fps = list(args.video_fps)
+    if fps and len(fps) != len(args.video):
+        raise RunError(f"{len(fps)} --video-fps for {len(args.video)} --video: one each")
+    fps += [None] * (len(args.video) - len(fps))
+    videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
+    tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
+    cfg = VisionConfig.from_hf(runner.checkpoint.config)
+    tokens = prompt_tokens(runner.checkpoint.config)
+    prompt, specials = args.prompt, {}
+    try:
+        template = None if prompt is None else chat_template(getattr(args, "chat", None), runner)
+        if template is not None:
+            specials = chat.special_tokens(runner.folder)
+            message = chat.user_message(prompt, len(args.image), len(videos), tokens)
+            prompt = chat.render(template, [message], specials)
+        # transformers adds no special tokens to a rendered text that starts with bos_token
+        bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
+        ids, patches, grids = prompt_inputs(
+            prompt if prompt is not None else args.prompt_ids[0],
+            [read_image(p) for p in args.image],
+            videos,
+            patch_size=cfg.patch_size,
+            pooling_kernel_size=cfg.pooling_kernel_size,
+            tokens=tokens,
+            tokenize=None
+            if tokenizer is None
+            else (lambda s: tokenizer.encode(s, add_special_tokens=not bare).ids),
+            max_soft_tokens=args.max_soft_tokens or default_soft_tokens(runner),
+            video_soft_tokens=args.video_soft_tokens,
+        )
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    items = list(zip(patches, grids, strict=True))
+    return [ids], items, tokenizer if args.prompt is not None else None
+
+
+def chat_template(asked, runner):
+    """The template a text prompt is rendered with, or None: as asked (True/False), or, when
+    not asked (None), the export's whenever it holds one."""
+    if asked is False:
+        return None
+    template = chat.read_template(runner.folder)
+    if template is None and asked:
+        raise RunError(
+            f"--chat: {runner.folder} holds no chat template (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json)"
+        )
+    return template
+
+
+def sampling_of(options, generation_config):
+    """The sampling of `run`'s options or a request's keys (sample, temperature, top_k, top_p,
+    seed): None (greedy) unless sample is set or a sampling value is given; the values not given
+    from generation_config.json."""
+    values = {k: options.get(k) for k in ("temperature", "top_k", "top_p", "seed")}
+    if not options.get("sample") and all(values[k] is None for k in values if k != "seed"):
+        return None
+    return Sampling.from_generation_config(generation_config, **values)
+
+
+def stop_of(eos_id, ignore_eos):
+    """The stop ids of --eos-id / --ignore-eos: None (the export's), (), or the given ids."""
+    if ignore_eos:
+        return ()
+    return None if eos_id is None else tuple(int(i) for i in eos_id)
+
+
+def _generation_options(args):
+    return {k: getattr(args, k, None) for k in ("sample", "temperature", "top_k", "top_p", "seed")}
+
+
+def _inputs(args, runner):
+    """(prompt rows, images, tokenizer or None) from run's options: --image with --prompt or
+    placeholder --prompt-ids, or expanded --prompt-ids with --patches/--grid pairs."""
+    if args.image or args.video or args.prompt is not None:
+        if args.patches or len(args.prompt_ids or []) > 1:
+            raise RunError("--image/--video/--prompt take one prompt row, without --patches")
+        if args.prompt is None and not args.prompt_ids:
+            raise RunError("--image/--video need --prompt TEXT or --prompt-ids with placeholders")
+        return _photo_prompt(args, runner)
+    if not args.prompt_ids:
+        raise RunError("give --prompt-ids (or --prompt, or --image with a prompt)")
+    if len(args.patches) != len(args.grid):
+        raise RunError(f"{len(args.patches)} --patches but {len(args.grid)} --grid: one pair each")
+    images = []
+    for path, grid in zip(args.patches, args.grid, strict=True):
+        try:
+            patches = np.load(path)
+        except (OSError, ValueError) as e:
+            raise RunError(f"--patches {path}: {e}") from e
+        images.append((np.asarray(patches, np.float32), grid))
+    return args.prompt_ids, images, None
+
+
+def main(args):
+    """`python -m codegen run`: prints progress to stderr (unless --quiet); with a tokenizer,
+    the row's text streamed to stdout as its tokens arrive; then each row's ids, comma-separated
+    and without the padding after a stop id, as the last lines."""
+    if args.skip_shard_check:
+        print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
+    runner = Runner(
+        args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from
+    )
+    rows, images, tokenizer = _inputs(args, runner)
+    quiet = getattr(args, "quiet", False)
+    log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        sampling = sampling_of(_generation_options(args), runner.generation_config)
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    stream = Stream(tokenizer) if tokenizer is not None and len(rows) == 1 else None
+    stop = stop_of(args.eos_id, args.ignore_eos)
+    tokens = runner.generate(
+        rows,
+        images,
+        max_new_tokens=args.max_new_tokens,
+        log=log,
+        stop=stop,
+        sampling=sampling,
+        emit=stream,
+    )
+    for row in tokens:
+        # the stop ids generation used (--ignore-eos: none, so nothing is cut)
+        row = unpadded(row, runner.stop if stop is None else stop)
+        if stream is not None:
+            stream.finish(row)
+        elif tokenizer is not None:
+            print(row_text(tokenizer, row))
+        print(",".join(str(int(t)) for t in row))
+    return 0
+
+
+def unpadded(row, stop):
+    """A generated row up to and with its first stop id (the padding after it dropped)."""
+    hits = np.flatnonzero(np.isin(row, list(stop)))
+    return row if not hits.size else row[: hits[0] + 1]
+
+
+class Stream:
+    """Row 0's text printed to stdout as its tokens arrive: the whole row decoded again at each
+    token and the new end printed, held back while it ends in an incomplete character (a byte
+    token of a longer UTF-8 sequence decodes to U+FFFD), as transformers' TextStreamer does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, row, token):
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+    def finish(self, row):
+        """End the streamed line: what is left of the row's text, or the note `row_text` gives
+        for a row without text."""
+        text = row_text(self.tokenizer, row)
+        if not self.shown.strip():
+            print(text)
+            return
+        print(text[len(self.shown) :] if text.startswith(self.shown) else "", flush=True)
+
+
+def row_text(tokenizer, row):
+    """A generated row's decoded text, or a visible note when the ids decode to nothing (ids
+    past tokenizer.json's vocabulary, or tokens whose text is empty)."""
+    text = tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
+    if not text.strip():
+        return f"(no text: the {len(row)} ids decode to {text!r})"
+    return text
+
+
+def read_requests(path, runner, defaults=None):
+    """Requests from a JSONL file, one object a line: `prompt_ids` (image runs expanded, with
+    `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
+    with `images` [image files] and `videos` [frame folders or animations] (with
+    `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70));
+    `max_new_tokens` (16) and `arrival` (step, 0); `chat` (`run`'s --chat), `sample`,
+    `temperature`, `top_k`, `top_p`, `seed` (default: `defaults`, serve's options). Paths are
+    relative to the file's folder."""
+    base = os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise RunError(f"--requests {path}: {e}") from e
+    requests = []
+    for i, item in enumerate(lines):
+        where = lambda p: os.path.join(base, p)  # noqa: E731
+        args = argparse.Namespace(
+            prompt=item.get("prompt"),
+            prompt_ids=[item["prompt_ids"]] if "prompt_ids" in item else None,
+            image=[where(p) for p in item.get("images", [])],
+            patches=[where(p) for p in item.get("patches", [])],
+            grid=[tuple(g) for g in item.get("grids", [])],
+            max_soft_tokens=item.get("max_soft_tokens"),
+            video=[where(p) for p in item.get("videos", [])],
+            video_fps=item.get("video_fps", []),
+            video_frames=item.get("video_frames", VIDEO_FRAMES),
+            video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
+            chat=item.get("chat"),
+        )
+        rows, images, _ = _inputs(args, runner)
+        n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
+        if not isinstance(arrival, int) or arrival < 0:
+            raise RunError(
+                f"--requests {path} line {i + 1}: arrival={arrival!r}: expected int >= 0"
+            )
+        options = {**(defaults or {}), **{k: item[k] for k in GENERATION_KEYS if k in item}}
+        try:
+            sampling = sampling_of(options, runner.generation_config)
+        except ValueError as e:
+            raise RunError(f"--requests {path} line {i + 1}: {e}") from e
+        requests.append(Request(np.asarray(rows[0]), images, n, arrival, sampling))
+    return requests
+
+
+GENERATION_KEYS = ("sample", "temperature", "top_k", "top_p", "seed")
+
+
+def serve_main(args):
+    """`python -m codegen serve`: continuous batching of a JSONL file of requests; prints the
+    step timeline to stderr and each request's ids to stdout."""
+    runner = Runner(args.out, check_shards=not args.skip_shard_check)
+    requests = read_requests(args.requests, runner, _generation_options(args))
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    tokens, _ = runner.serve(requests, log=log, stop=stop_of(args.eos_id, args.ignore_eos))
+    for i, row in enumerate(tokens):
+        print(f"request {i}: " + ",".join(str(int(t)) for t in row))
+    return 0

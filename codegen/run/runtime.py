@@ -1,0 +1,427 @@
+"""`run OUT`: greedy generation over an export folder's graphs in onnxruntime, driven the way
+the QAIC runtime drives the compiled programs (QEfficient's `kv_offload_generate`):
+
+1. `vision` on each prompt row's images and video frames, packed into as few calls as the
+   largest exported budget allows;
+2. `prefill` chunk by chunk at the compiled `seq_len` (the last chunk padded with position −1),
+   each chunk given the soft tokens of its own image runs as `vision_embeds` at the least
+   budget that holds them (`image_idx` 0), every `*_RetainedState` fed back as the cache;
+3. `decode` one token at a time, every `*_RetainedState` fed back.
+
+A graph exported with compute context lengths (`--comp-ctx-lengths-prefill/-decode`) is fed,
+at each prefill chunk and decode step, `comp_ctx_lengths` of the least length above every
+position of that step (`ccl_for`): over the rows that hold a request only, so a finished
+slot's old positions never keep a batch on a longer one (QEfficient's runner takes them).
+
+Nothing but the folder is needed: manifest.json, the graphs, config.json and the hard-linked
+shards. Chunks never split an image run (its first tokens attend to its last ones), so a run
+longer than the compiled `seq_len` is refused, naming the `seq_len` it needs.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+from codegen.folder.sessions import open_session, read_manifest
+from ref.gemma4 import decoding
+from ref.gemma4.config import VisionConfig
+from ref.gemma4.packing import pack, pack_patches
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
+from ref.gemma4.text_config import TextConfig
+from weights import generation_config, open_checkpoint
+
+
+class RunError(ValueError):
+    """The prompts, images or folder cannot be run with these graphs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
+    order, how many tokens to generate at most, the step at which it arrives, its sampling
+    (None: greedy; else a `ref.gemma4.decoding.Sampling`) and the row whose generator its
+    draws use (0: as a run of it alone; `generate` gives row i its own)."""
+
+    ids: np.ndarray
+    images: list
+    max_new_tokens: int
+    arrival: int = 0
+    sampling: decoding.Sampling | None = None
+    row: int = 0
+
+
+def ccl_for(ccls, position_ids):
+    """The least compute context length above every valid position (≥ 0) of a step, from the
+    increasing `ccls` (the last is ctx_len); the least one for a step with none."""
+    valid = np.asarray(position_ids)[np.asarray(position_ids) >= 0]
+    top = int(valid.max()) if valid.size else -1
+    above = [k for k in ccls if k > top]
+    if not above:
+        raise RunError(f"position {top}: no compute context length above it in {list(ccls)}")
+    return above[0]
+
+
+def _slot_column(slots, rows):
+    """[rows, 1] int32 batch_index: the given slots, −1 for the rows past them."""
+    column = np.full((rows, 1), -1, np.int32)
+    column[: len(slots), 0] = slots
+    return column
+
+
+class Runner:
+    """The export folder's vision, prefill and decode graphs as onnxruntime sessions."""
+
+    def __init__(self, folder, *, check_shards=True, decode_folder=None):
+        """folder: an export with prefill and decode graphs, or a `--prefill-only` export
+        whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
+        export with the same retained-state layout)."""
+        self.folder = os.path.abspath(folder)
+        manifest = read_manifest(self.folder, check_shards=check_shards)
+        graphs = {g.kind: g for g in manifest.graphs}
+        self.checkpoint = open_checkpoint(self.folder)
+        homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
+        if decode_folder is not None:
+            decode_folder = os.path.abspath(decode_folder)
+            other = read_manifest(decode_folder, check_shards=check_shards)
+            entry = next((g for g in other.graphs if g.kind == "decode"), None)
+            if entry is None:
+                raise RunError(f"{decode_folder} has no decode graph (export it --decode-only)")
+            if other.retained_layout != manifest.retained_layout:
+                raise RunError(
+                    f"{decode_folder}: its KV-cache layout {other.retained_layout} is not "
+                    f"the prefill's {manifest.retained_layout}: export both sides with "
+                    "the same model, batch, ctx_len and cache options"
+                )
+            graphs["decode"] = entry
+            homes["decode"] = (decode_folder, open_checkpoint(decode_folder))
+        missing = [k for k in ("prefill", "decode") if k not in graphs]
+        if missing:
+            raise RunError(
+                f"{self.folder} has no {' or '.join(missing)} graph: export with --graphs model"
+                + (" (or give the decode side's folder)" if missing == ["decode"] else "")
+            )
+        self.text = TextConfig.from_hf(self.checkpoint.config)
+        self.entries = graphs
+        self.sessions = {
+            kind: open_session(graphs[kind], *homes[kind])
+            for kind in ("vision", "prefill", "decode")
+            if kind in graphs
+        }
+        o = graphs["prefill"].options
+        self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
+        self.budgets = sorted(o["budgets"])
+        self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
+        # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
+        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in ("prefill", "decode")}
+        self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
+        # the checkpoint's generation_config.json (copied into the export), else config.json
+        self.generation_config = generation_config(self.folder)
+        self.stop = decoding.stop_ids(self.generation_config, self.checkpoint.config)
+        self.pad = decoding.pad_id(self.generation_config, self.checkpoint.config)
+
+    def generate(
+        self, prompts, images=(), *, max_new_tokens, log=None, stop=None, sampling=None, emit=None
+    ):
+        """Tokens [len(prompts), N]: each row ends at its first stop id (kept) and is padded
+        after it with the pad id; N is max_new_tokens, or fewer once every row has stopped
+        (transformers' `generate`).
+
+        prompts: token-id sequences, each image already a run of image tokens (at most the
+        compiled batch_size rows, or full_batch_size with continuous batching); images:
+        (patches [h·w, 3·p·p] in [0, 1], (h, w)) per image run, in order of appearance, row by
+        row; stop: stop ids (None: the export's, () never stops); sampling: None (greedy) or a
+        `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n)); emit:
+        called with (row, token) as each token of a running row arrives.
+        """
+        log = log or (lambda msg: None)
+        emit = emit or (lambda row, token: None)
+        rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+        self._check(rows, max_new_tokens)
+        if self.slots is not None:
+            it = iter(images)
+            requests = [
+                Request(
+                    r,
+                    [next(it) for _ in image_runs(r, *self.text.vision_token_ids)],
+                    max_new_tokens,
+                    sampling=sampling,
+                    row=i,
+                )
+                for i, r in enumerate(rows)
+            ]
+            tokens = self.serve(requests, log=log, stop=stop, emit=emit)[0]
+            width = max(len(t) for t in tokens)
+            return np.stack(
+                [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
+            )
+        stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
+        caches = self._empty_caches("prefill")
+        caches, logits = self._prefill(rows, list(images), caches, None, log)
+        tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
+        position = np.array([len(r) for r in rows], np.int32)
+        for n in range(1, max_new_tokens):
+            if stopper.done:
+                break
+            caches, logits = self._decode(caches, tokens[-1], position, None)
+            tokens.append(self._emit(stopper, decoding.choose(logits, sampling, n), emit))
+            position = position + 1
+            log(f"decode step {n + 1}/{max_new_tokens}{self._ccl_note('decode')}")
+        return np.stack(tokens, axis=1)
+
+    @staticmethod
+    def _emit(stopper, tokens, emit):
+        """One step's tokens with finished rows padded; each running row's token emitted."""
+        running = stopper.running.copy()
+        out = stopper(tokens)
+        for row in np.flatnonzero(running):
+            emit(int(row), int(out[row]))
+        return out
+
+    def serve(self, requests, *, log=None, stop=None, emit=None):
+        """Continuous batching over the exported slots (an export with --full-batch-size):
+        requests join free slots at their arrival step (prefilled in groups of batch_size),
+        every occupied slot decodes together, each leaves once it has emitted a stop id or its
+        max_new_tokens, and its slot is free for a waiting request at the next step.
+        stop: stop ids (None: the export's, () never stops); emit: called with (request,
+        token) as each token arrives.
+        → (tokens per request, timeline: one line per step)."""
+        log = log or (lambda msg: None)
+        emit = emit or (lambda request, token: None)
+        stop = set(self.stop if stop is None else stop)
+        if self.slots is None:
+            raise RunError(f"{self.folder}: serving needs an export with --full-batch-size")
+        for i, r in enumerate(requests):
+            self._check([r.ids], r.max_new_tokens, what=f"request {i}")
+        caches = self._empty_caches("decode")
+        waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
+        position, last = {}, np.zeros(self.slots, np.int32)
+        t = 0
+        while waiting or slot_of:
+            events = []
+            ready = [r for r in waiting if requests[r].arrival <= t]
+            free = [s for s in range(self.slots) if s not in slot_of.values()]
+            joining = ready[: len(free)]
+            for k in range(0, len(joining), self.batch):
+                group = joining[k : k + self.batch]
+                slots = free[k : k + len(group)]
+                rows = [requests[r].ids for r in group]
+                images = [img for r in group for img in requests[r].images]
+                caches, logits = self._prefill(rows, images, caches, slots, log)
+                for r, s, row_logits in zip(group, slots, logits, strict=True):
+                    waiting.remove(r)
+                    token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
+                    slot_of[r], last[s], tokens[r] = s, token, [token]
+                    position[r] = len(requests[r].ids)
+                    emit(r, token)
+                    events.append(f"request {r} joins slot {s}")
+            decoding_now = [r for r in slot_of if not self._finished(requests[r], tokens[r], stop)]
+            if decoding_now:
+                pos = np.full(self.slots, -1, np.int32)
+                for r in decoding_now:
+                    pos[slot_of[r]] = position[r]
+                    position[r] += 1
+                caches, logits = self._decode(caches, last, pos, np.arange(self.slots))
+                for r in decoding_now:
+                    s = slot_of[r]
+                    n, row = len(tokens[r]), requests[r].row
+                    last[s] = decoding.draw(logits[s], requests[r].sampling, row, n)
+                    tokens[r].append(int(last[s]))
+                    emit(r, int(last[s]))
+                slots_now = sorted(slot_of[r] for r in decoding_now)
+                events.append(f"decode slots {slots_now}{self._ccl_note('decode')}")
+            for r in [r for r in slot_of if self._finished(requests[r], tokens[r], stop)]:
+                why = f"stop id {tokens[r][-1]}" if tokens[r][-1] in stop else "max_new_tokens"
+                events.append(f"request {r} leaves slot {slot_of.pop(r)} at {why}")
+            timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
+            log(timeline[-1])
+            t += 1
+        return [np.array(tokens[r]) for r in range(len(requests))], timeline
+
+    @staticmethod
+    def _finished(request, tokens, stop):
+        return len(tokens) == request.max_new_tokens or tokens[-1] in stop
+
+    def _prefill(self, rows, images, caches, slots, log):
+        """Chunked prefill of rows (≤ batch_size) into their cache rows, or into `slots` with
+        continuous batching → (caches, [rows, V] logits of each row's last prompt token).
+
+        Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
+        prompt may hold more soft tokens (a video's frames) than any exported vision budget:
+        only a chunk's must fit one."""
+        runs = [image_runs(r, *self.text.vision_token_ids) for r in rows]
+        streams = self._vision(rows, runs, images, log)
+        for i, row_runs in enumerate(runs):
+            for start, n in row_runs:
+                if n > self.seq_len:
+                    raise RunError(
+                        f"row {i}: the image run at {start} has {n} tokens but one prefill chunk "
+                        f"holds seq_len={self.seq_len}: export with --seq-len {n} or more "
+                        "(a chunk must not split an image run)"
+                    )
+        most = self.budgets[-1] if streams is not None else None
+        schedule = [chunk_bounds(len(r), runs[i], self.seq_len, most) for i, r in enumerate(rows)]
+        offsets = np.zeros(len(rows), int)
+        last = [None] * len(rows)
+        chunks = max(len(s) for s in schedule)
+        for k in range(chunks):
+            ids, pos = chunk_arrays(rows, schedule, k, self.batch, self.seq_len)
+            counts = np.isin(ids[: len(rows)], self.text.vision_token_ids) & (pos[: len(rows)] >= 0)
+            counts = counts.sum(axis=1)
+            feed = {"input_ids": ids, "position_ids": pos, **caches}
+            if streams is not None:
+                feed.update(self._window(streams, offsets, counts))
+                offsets += counts
+            if slots is not None:
+                feed["batch_index"] = _slot_column(slots, self.batch)
+            out = self._run("prefill", feed)
+            caches = self._retained(out, caches)
+            for i, bounds in enumerate(schedule):
+                if k == len(bounds) - 1:
+                    last[i] = out["logits"][i, 0]
+            log(f"prefill chunk {k + 1}/{chunks}{self._ccl_note('prefill')}")
+        return caches, np.stack(last)
+
+    def _window(self, streams, offsets, counts):
+        """One chunk's vision inputs: each row's next `counts` soft tokens of its stream from
+        `offsets`, zero-padded to the least budget that holds the most → {vision_embeds
+        [batch, budget, hidden], image_idx [batch, 1] zeros}."""
+        budget = next(b for b in self.budgets if b >= counts.max())
+        out = np.zeros((self.batch, budget, self.text.hidden_size), np.float32)
+        for i, stream in enumerate(streams):
+            out[i, : counts[i]] = stream[offsets[i] : offsets[i] + counts[i]]
+        return {"vision_embeds": out, "image_idx": np.zeros((self.batch, 1), np.int32)}
+
+    def _decode(self, caches, token, position, slots):
+        """One decode step of every row (position −1: a free row) → (caches, [len(token), V]
+        logits)."""
+        n = len(token)
+        rows = self.batch if self.slots is None else self.slots
+        ids = np.zeros((rows, 1), np.int32)
+        pos = np.full((rows, 1), -1, np.int32)
+        ids[:n, 0], pos[:n, 0] = token, position
+        feed = {"input_ids": ids, "position_ids": pos, **caches}
+        if slots is not None:
+            feed["batch_index"] = _slot_column(slots, rows)
+        out = self._run("decode", feed)
+        return self._retained(out, caches), out["logits"][:n, 0]
+
+    def _check(self, rows, max_new_tokens, what="row"):
+        most = self.batch if self.slots is None else self.slots
+        if not 1 <= len(rows) <= most:
+            raise RunError(f"{len(rows)} prompts: the graphs take 1 to batch_size={most}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RunError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
+        for i, r in enumerate(rows):
+            name = what if what != "row" else f"row {i}"
+            if len(r) == 0:
+                raise RunError(f"{name}: empty prompt")
+            bad = np.flatnonzero((r < 0) | (r >= self.text.vocab_size))
+            if bad.size:
+                raise RunError(
+                    f"{name}: token id {int(r[bad[0]])} at {int(bad[0])} is outside "
+                    f"[0, vocab_size={self.text.vocab_size})"
+                )
+            if len(r) + max_new_tokens > self.ctx_len:
+                raise RunError(
+                    f"{name}: {len(r)} prompt tokens + max_new_tokens={max_new_tokens} exceed "
+                    f"ctx_len={self.ctx_len}"
+                )
+
+    def _vision(self, rows, runs, images, log):
+        """Each row's soft tokens in order of appearance, [tokens, hidden] per row (None when
+        the prefill graph takes no vision inputs)."""
+        want = sum(len(r) for r in runs)
+        if len(images) != want:
+            raise RunError(f"{len(images)} images given, the prompts hold {want} image runs")
+        prefill_inputs = {t.name for t in self.entries["prefill"].inputs}
+        if "vision_embeds" not in prefill_inputs:
+            if want:
+                raise RunError("the prompts hold image runs but the prefill graph takes no images")
+            return None
+        it = iter(images)
+        streams = []
+        for i, row_runs in enumerate(runs):
+            items = [next(it) for _ in row_runs]
+            streams.append(self._encode_row(i, row_runs, items))
+            if items:
+                log(f"vision row {i}: {len(items)} item(s), {len(streams[-1])} soft tokens")
+        return streams
+
+    def _encode_row(self, row, row_runs, items):
+        """One row's items through the vision graph, consecutive items packed together while
+        they fit the largest budget, each call at the least budget that holds it → [tokens,
+        hidden]."""
+        most = self.budgets[-1]
+        groups = []
+        for run, item in zip(row_runs, items, strict=True):
+            if run[1] > most:
+                raise RunError(
+                    f"row {row}: the image run at {run[0]} has {run[1]} tokens; the largest "
+                    f"vision budget exported is {most}"
+                )
+            if not groups or sum(n for _, n in groups[-1][0]) + run[1] > most:
+                groups.append(([], []))
+            groups[-1][0].append(run)
+            groups[-1][1].append(item)
+        parts = [np.zeros((0, self.text.hidden_size), np.float32)]
+        for group_runs, group_items in groups:
+            total = sum(n for _, n in group_runs)
+            budget = next(b for b in self.budgets if b >= total)
+            parts.append(self._encode(row, group_runs, group_items, budget)[:total])
+        return np.concatenate(parts)
+
+    def _encode(self, row, row_runs, row_images, budget):
+        """The vision graph on one row's images packed into `budget` soft tokens."""
+        if "vision" not in self.sessions:
+            raise RunError("images given but the export has no vision graph")
+        cfg = VisionConfig.from_hf(self.checkpoint.config)
+        k = cfg.pooling_kernel_size
+        grids = []
+        for (start, n), (_, grid) in zip(row_runs, row_images, strict=True):
+            h, w = (int(x) for x in grid)
+            if h % k or w % k or (h // k) * (w // k) != n:
+                raise RunError(
+                    f"row {row}: the image run at {start} has {n} tokens but grid {h}x{w} "
+                    f"pools to {(h // k) * (w // k)} (h and w must be multiples of {k})"
+                )
+            grids.append((h, w))
+        packing = pack(
+            grids,
+            pooling_kernel_size=k,
+            position_embedding_size=cfg.position_embedding_size,
+            budget=budget,
+        )
+        patches = pack_patches([p for p, _ in row_images], grids, cfg.patch_dim, packing)
+        feed = {
+            "pixel_patches": patches,
+            "positions": packing.positions,
+            "segment_ids": packing.segment_ids,
+            "pool_index": packing.pool_index,
+        }
+        return next(iter(self._run("vision", feed).values()))
+
+    def _empty_caches(self, kind):
+        entry = self.entries[kind]
+        retained = {pair[0] for pair in entry.retained_state}
+        shapes = entry.shapes(entry.specializations[0]["name"])
+        return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
+
+    def _ccl_note(self, kind):
+        """ ", comp_ctx_lengths K" of the last call of `kind` when it took one, else ""."""
+        if not self.ccls.get(kind):
+            return ""
+        return f", comp_ctx_lengths {next(k for g, k in reversed(self.ccl_steps) if g == kind)}"
+
+    def _run(self, kind, feed):
+        if self.ccls.get(kind):
+            k = ccl_for(self.ccls[kind], feed["position_ids"])
+            feed = {**feed, "comp_ctx_lengths": np.zeros(k, np.int64)}
+            self.ccl_steps.append((kind, k))
+        session = self.sessions[kind]
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(None, feed), strict=True))
+
+    @staticmethod
+    def _retained(out, caches):
+        return {n: out[n + "_RetainedState"] for n in caches}

@@ -1,0 +1,53 @@
+"""`drift OUT --plans` proves a node-precision plan on the graphs QAIC compiles: the default VLM
+with a vision standardize step that overflows float16 (as vLLM #40290 found in 26B/31B), its
+measured plan written by `verify --precision fp16 --write-npi`, and greedy tokens of the
+float32 graphs against the float16 device graphs under no plan, the measured plan and
+QEfficient's rule; the plan file is what compile.sh passes, and one naming a node the graph
+does not have is refused."""
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+from codegen.__main__ import main
+from codegen.check.npi import PlanError, read_npi
+from codegen.export.command import ExportOptions, export
+from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
+from weights import save_checkpoint
+
+
+def _overflowing_vlm(folder):
+    """The default model with std_bias −65280, std_scale 1e-4 and the tower's last layer ×100:
+    h − std_bias passes 65504 in float16, the float32 result is ~6 (tests/codegen/
+    test_precision.py's tower, in the whole model)."""
+    t = default_tensors()
+    p = "model.vision_tower."
+    t[p + "std_bias"] = np.full_like(t[p + "std_bias"], -65280.0)
+    t[p + "std_scale"] = np.full_like(t[p + "std_scale"], 1e-4)
+    w = p + "encoder.layers.2.post_feedforward_layernorm.weight"
+    t[w] = (t[w].astype(np.float32) * 100).astype(ml_dtypes.bfloat16)
+    save_checkpoint(folder, DEFAULT_CONFIG, t)
+    return folder
+
+
+def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, capsys):
+    out = tmp_path / "out"
+    model = _overflowing_vlm(tmp_path / "ckpt")
+    export(ExportOptions(out=out, model=model, budgets=(70,), verify=False), log=lambda m: None)
+    assert main(["verify", str(out), "--precision", "fp16", "--write-npi"]) == 0
+    report = capsys.readouterr().out
+    assert "vision: 1 node(s) in float32" in report and "prefill: 0 node(s)" in report, report
+    assert (out / "vision.npi.yaml").exists() and not (out / "prefill.npi.yaml").exists()
+    graph = onnx.load(out / "vision.onnx", load_external_data=False)
+    assert read_npi(out / "vision.npi.yaml", graph) == ["sub_out_1"]  # the standardize Sub
+    assert "$(npi vision)" in (out / "compile.sh").read_text()  # -node-precision-info
+    (out / "bad.npi.yaml").write_text('FP32NodeInstanceNames:\n  - "no_such_node"\n')
+    with pytest.raises(PlanError, match="node output 'no_such_node' is not in the graph"):
+        read_npi(out / "bad.npi.yaml", graph)
+    args = ["drift", str(out), "--plans", "--prompts", "2", "--max-new-tokens", "3"]
+    assert main(args) == 0
+    rows = {line[:18].strip(): line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["none"][1:3] == ["0", "0/6"], rows  # NaN soft tokens: no token right
+    assert rows["measured"][1:3] == ["1", "6/6"], rows
+    assert int(rows["QEfficient's rule"][2]) > 1000 and rows["QEfficient's rule"][3] == "6/6", rows

@@ -1,0 +1,331 @@
+"""Device numerics (`ref.numerics`, `codegen.check.precision`): MXINT8 against a direct reading of
+the OCP MX v1.0 spec, the per-operation float16 model against float32, and `verify --precision`
+catching a checkpoint that overflows float16 in the vision standardize step."""
+
+import math
+from fractions import Fraction
+from functools import partial, reduce
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ref import numerics
+from tests.util import examples
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+
+
+def spec_block(values):
+    """OCP MX v1.0 §6.3 for one MXINT8 block, in exact rational arithmetic: (E8M0 bits,
+    [int8 element]). values: up to 32 finite floats."""
+    amax = max(Fraction(abs(v)) for v in values)
+    if amax == 0:
+        shared = -127
+    else:
+        shared = 0  # the largest e with 2^e <= amax
+        while Fraction(2) ** shared > amax:
+            shared -= 1
+        while Fraction(2) ** (shared + 1) <= amax:
+            shared += 1
+        shared = min(max(shared, -127), 127)
+    step = Fraction(2) ** (shared - 6)  # INT8 elements carry 2^-6
+    elements = [max(-127, min(127, round(Fraction(v) / step))) for v in values]  # ties to even
+    return shared + 127, elements
+
+
+def spec_value(bits, element):
+    """The element's value; float32 subnormals read as 0 (XLA:CPU flushes them)."""
+    value = Fraction(element) * Fraction(2) ** (bits - 127 - 6)
+    return float(value) if abs(value) >= Fraction(2) ** -126 else 0.0
+
+
+magnitudes = st.sampled_from(
+    [F32_TINY, 2.0**-133, 2.0**-100, 2.0**-10, 0.5, 1.0, 1.984375, 3.0, 2.0**17]
+)
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+special = st.sampled_from([0.0, -0.0, F32_TINY, -F32_TINY, F32_MAX, -F32_MAX, 65504.0, -65504.0])
+element = st.one_of(finite32, special, magnitudes.flatmap(lambda m: st.floats(-m, m, width=32)))
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(element, min_size=1, max_size=70))
+@example([1.0, 2.0**-7, 3 * 2.0**-7, -(2.0**-7), 5 * 2.0**-7, F32_TINY])  # ties: 0.5, 1.5, 2.5
+def test_mxint8_matches_the_spec_block_by_block(values):
+    x = np.asarray(values, np.float32)
+    scales, elements = (np.asarray(a) for a in numerics.mxint8_encode(x))
+    decoded = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)))
+    for b in range(-(-len(x) // 32)):
+        block = [float(v) for v in x[32 * b : 32 * b + 32]]
+        bits, want = spec_block(block)
+        assert scales[b] == bits
+        assert elements[b, : len(block)].tolist() == want
+        assert not elements[b, len(block) :].any()
+        got = decoded[32 * b : 32 * b + len(block)]
+        assert [abs(v) for v in got.tolist()] == [abs(spec_value(bits, e)) for e in want]
+        assert all(v * e >= 0 for v, e in zip(got.tolist(), want, strict=True))
+    # stored once, stored again: the same (a quantized cache is rewritten every step)
+    again = np.asarray(numerics.mxint8_round_trip(jnp.asarray(decoded)))
+    assert np.array_equal(again, decoded)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=32, max_size=32))
+@example([9.68e-41] + [0.0] * 31)  # an all-subnormal block: decodes to 0 (a draw found it)
+def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
+    x = np.asarray(values, np.float32)
+    amax = float(np.max(np.abs(x)))
+    got = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)), np.float64)
+    if amax == 0:
+        assert not got.any()
+        return
+    step = 2.0 ** (math.floor(math.log2(amax)) - 6)
+    unclamped = np.abs(x) <= 127 * step
+    near = np.abs(got - x) <= step / 2
+    # a decoded value below float32's normal range reads as 0 (XLA:CPU flushes subnormals)
+    flushed = (got == 0) & (np.abs(x) < 2.0**-126 + step / 2)
+    assert np.all((near | flushed)[unclamped])
+    assert np.all(np.abs(got) <= 127 * step)
+
+
+def test_mxint8_refuses_nan_and_inf_by_index():
+    x = np.zeros((2, 40), np.float32)
+    x[1, 33] = np.nan
+    with pytest.raises(ValueError, match=r"x\[1, 33\] = nan: expected finite"):
+        numerics.mxint8_encode(x)
+    x[1, 33] = -np.inf
+    with pytest.raises(ValueError, match=r"x\[1, 33\] = -inf"):
+        numerics.mxint8_encode(x)
+    # traced (a cache write under jit): the block holding the NaN decodes to NaN, others stay
+    x[1, 33], x[0, 3] = np.nan, 1.5
+    out = np.asarray(jax.jit(numerics.mxint8_round_trip)(jnp.asarray(x)))
+    assert np.isnan(out[1, 32:]).all() and not np.isnan(out[1, :32]).any()
+    assert out[0, 3] == 1.5
+
+
+def test_formats_are_named_and_bad_names_refused():
+    assert numerics.format_name("fp16") == "float16"
+    assert numerics.finite_max("bf16") == float(jnp.finfo(jnp.bfloat16).max)
+    with pytest.raises(ValueError, match=r"format 'int4': expected one of float32, float16"):
+        numerics.format_name("int4")
+    with pytest.raises(ValueError, match="mxint8"):
+        numerics.store(jnp.ones(3), "fp8")
+    x = jnp.asarray([65519.0, 65520.0, 1e-8, 3e-8], jnp.float32)
+    assert np.asarray(numerics.round_to(x, "float16")).tolist() == [65504.0, np.inf, 0.0, 2**-24]
+
+
+def test_emulate_rounds_every_operation_and_probe_names_the_first_overflow():
+    def fn(x):
+        return (x * 1000.0) * 1000.0 / 1000.0 / 1000.0  # 1e6 overflows float16 midway
+
+    x = jnp.ones(3, jnp.float32)
+    assert np.array_equal(numerics.emulate(fn, "float32")(x), fn(x))
+    assert np.isinf(np.asarray(jax.jit(numerics.emulate(fn, "float16"))(x))).all()
+    assert np.isfinite(np.asarray(numerics.emulate(fn, "bfloat16")(x))).all()
+    out, records = numerics.probe(fn, "fp16", x)
+    first = next(r for r in records if r.nonfinite)
+    assert (first.primitive, first.shape, first.max_abs) == ("mul", (3,), 0.0)
+    assert records[0].max_abs == 1000.0 and not records[0].nonfinite
+    # the division reads an inf: it is not where the overflow happened
+    assert [r.nonfinite for r in records] == [False, True, False, False]
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([512, 1536]))
+def test_a_mean_is_one_device_operation_as_in_the_graph(seed, width):
+    """An RMSNorm whose rows' sums of squares pass float16's 65,504 while their means do not
+    (|x| in [60, 250]): the graph computes the mean as one ReduceMean, so the ONNX device model
+    (`codegen.check.device_graph.device_graph`, a Cast pair after every tensor, run in onnxruntime)
+    stays finite, and `ref`'s device model must too, agreeing to two float16 steps (the graph
+    takes rsqrt as Sqrt then Div: one rounding more). Before, `ref` rounded the sum and turned
+    non-finite at `reduce_sum` (the E2B prefill audit's `layers.12.input_layernorm`). A sum
+    read by anything but its mean's division stays a tensor, rounded and recorded."""
+    import onnxruntime as ort
+    from jax2onnx import to_onnx
+
+    from codegen.check.device_graph import device_graph
+    from ref.layers import rms_norm
+
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(60, 250, (3, width)) * rng.choice([-1, 1], (3, width))).astype(np.float32)
+    w = rng.uniform(0.5, 2, width).astype(np.float32)
+    fn = partial(rms_norm, eps=1e-6)
+    got, records = numerics.probe(fn, "fp16", x, w)
+    assert not any(r.nonfinite for r in records), [r for r in records if r.nonfinite]
+    assert "reduce_sum" not in {r.primitive for r in records}
+    spec = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w)]
+    model, _, _ = device_graph(to_onnx(fn, spec), "float16")
+    session = ort.InferenceSession(model.SerializeToString())
+    names = [i.name for i in session.get_inputs()]
+    (want,) = session.run([session.get_outputs()[0].name], dict(zip(names, (x, w), strict=True)))
+    assert np.isfinite(want).all()
+    assert np.abs(np.asarray(got) - want).max() <= 2 * 2.0**-10 * np.abs(want).max()
+
+    def kept(x):  # the sum also read elsewhere: no mean
+        total = jnp.sum(x * x, axis=-1, keepdims=True)
+        return total / width + total
+
+    _, records = numerics.probe(kept, "fp16", x)
+    assert any(r.primitive == "reduce_sum" and r.nonfinite for r in records)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from codegen.export.defaults import default_checkpoint
+    from ref.gemma4.model import Gemma4
+
+    return Gemma4.from_pretrained(default_checkpoint())
+
+
+# Bounds on benign models (the default tiny Gemma 4): relative to max |float32|; measured
+# float16 ~1e-3 (vision) and ~2e-3–7e-3 (logits); bfloat16 has 3 fewer mantissa bits (8×).
+FP16_BOUND, BF16_BOUND = 2e-2, 1.5e-1
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("float16", FP16_BOUND), ("bf16", BF16_BOUND)])
+def test_device_precision_stays_near_float32_on_the_default_model(default_model, precision, bound):
+    from codegen.check.drift import DeviceGemma4, random_prompt
+
+    rng = np.random.default_rng(1)
+    ids, patches, grids = random_prompt(default_model, rng)
+    exact = DeviceGemma4(default_model, "float32", "float32")
+    device = DeviceGemma4(default_model, precision, "mxint8")
+    want = exact.vision.embed(patches, grids)[0]
+    got = device.vision.embed(patches, grids)[0]
+    assert np.max(np.abs(got - want)) <= bound * np.max(np.abs(want))
+    exact.generate(ids[None], patches, grids, max_new_tokens=3)
+    device.generate(ids[None], patches, grids, max_new_tokens=3)
+    assert len(exact.logits) == len(device.logits) == 3
+    for a, b in zip(exact.logits[:1], device.logits[:1], strict=True):
+        assert np.max(np.abs(b - a)) <= bound * np.max(np.abs(a))
+    # float32 compute with a float32 cache is ref itself
+    plain = default_model.generate(ids[None], patches, grids, max_new_tokens=3)[0]
+    assert plain.tolist() == exact.generate(ids[None], patches, grids, max_new_tokens=3)[0].tolist()
+
+
+def test_drift_command_reports_each_prompt(capsys):
+    """`python -m codegen drift` on the default model (matmul weights as MXFP6): a row per
+    prompt and the agreement over every generated token (2 prompts × 3 tokens)."""
+    from codegen.__main__ import main
+    from codegen.export.defaults import default_checkpoint
+
+    argv = ["drift", "--model", str(default_checkpoint()), "--prompts", "2", "--mxfp6"]
+    assert main([*argv, "--max-new-tokens", "3", "--kv-dtype", "mxint8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "float32 vs float16 compute, KV cache mxint8, MXFP6 (e2m3) matmul weights"
+    assert [line.split()[0] for line in out[2:4]] == ["0", "1"], out
+    assert out[-1].startswith("agreement ") and "/6 = " in out[-1], out
+
+
+def _overflowing_tower(folder):
+    """The default tower saved alone, built to overflow float16 in the standardize step only:
+    std_bias −65280 (fits float16 and bfloat16), the last layer's output scaled ×100 so that
+    h = pooled·sqrt(32) > 240 somewhere and h − std_bias > 65504; std_scale 1e-4 brings the
+    float32 result back to ~6."""
+    import ml_dtypes
+
+    from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
+    from weights import save_checkpoint
+
+    prefix = "model.vision_tower."
+    t = {n[len(prefix) :]: a for n, a in default_tensors().items() if n.startswith(prefix)}
+    t["std_bias"] = np.full_like(t["std_bias"], -65280.0)
+    t["std_scale"] = np.full_like(t["std_scale"], 1e-4)
+    w = "encoder.layers.2.post_feedforward_layernorm.weight"
+    t[w] = (t[w].astype(np.float32) * 100).astype(ml_dtypes.bfloat16)
+    save_checkpoint(folder, dict(DEFAULT_CONFIG["vision_config"]), t)
+    return folder
+
+
+def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_path, capsys):
+    import json
+
+    from codegen.__main__ import main
+    from codegen.export.command import ExportOptions, export
+
+    model = _overflowing_tower(tmp_path / "ckpt")
+    for out, clip in ((tmp_path / "plain", False), (tmp_path / "clipped", True)):
+        export(ExportOptions(out=out, model=model, budgets=(70,), verify=False, clip_fp16=clip))
+    assert main(["verify", str(tmp_path / "plain")]) == 0  # float32 is fine
+    capsys.readouterr()
+    entry = json.loads((tmp_path / "clipped" / "manifest.json").read_text())["graphs"][0]
+    assert entry["clip_fp16"]["weights"] == [] and "sub_out_1" in entry["clip_fp16"]["tensors"]
+    # the whole graph (the tiny tower's default) and layer by layer (a released tower's)
+    for way in ([], ["--layerwise"]):
+        plain = ["verify", str(tmp_path / "plain"), *way]
+        assert main([*plain, "--precision", "fp16"]) == 1
+        text = capsys.readouterr().out
+        assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
+        assert "onnx: tensor 'sub_out_1' (Sub of " in text
+        if not way:
+            assert main([*plain, "--precision", "bf16"]) == 0  # 3.4e38
+            capsys.readouterr()
+        assert main(["verify", str(tmp_path / "clipped"), *way, "--precision", "fp16"]) == 0
+        assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
+
+
+def _softmax_rows(scores, visible):
+    """Softmax of each row over its visible entries (numpy, float64); rows seeing none → 0."""
+    scores = np.where(visible, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    w = np.where(visible, np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    return w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-300)
+
+
+def test_block_ordering_stays_finite_in_float16():
+    """The dependency that orders blocks (each block's queries wait for the state before) must
+    not grow with the block: a sum of l over 4 heads × 600 queries of 200 keys (~4.8e5) is inf in
+    float16 and 0·inf turned every later block to NaN. Tiled vision attention (3×3 tiles, one
+    item and filler) and `blocked(ordered=True)` (4 causal KV blocks of 128) in the float16
+    device model against numpy float64: finite, within FP16_BOUND."""
+    from ref.attention import blocked
+    from ref.gemma4.vision import tiled_packed_attention
+
+    rng = np.random.default_rng(21)
+    n, heads, d = 600, 4, 16
+    q, k, v = (rng.normal(size=(n, heads, d)).astype(np.float32) * 0.3 for _ in range(3))
+    ids = np.where(np.arange(n) < 580, 0, -1).astype(np.int32)
+    run = jax.jit(numerics.emulate(lambda *a: tiled_packed_attention(*a, tiles=(3, 3)), "fp16"))
+    got = np.asarray(run(q, k, v, ids))
+    same = (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    w = _softmax_rows(np.einsum("qhd,khd->hqk", q, k).astype(np.float64), same[None])
+    want = np.einsum("hqk,khd->qhd", w, v.astype(np.float64))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= FP16_BOUND * np.abs(want).max()
+
+    t = 512
+    qb, kb, vb = (rng.normal(size=(1, heads, t, d)).astype(np.float32) * 0.3 for _ in range(3))
+    pos = np.arange(t)[None]
+    fn = partial(blocked, mode="kv", num_kv_blocks=4, ordered=True)
+    got = np.asarray(jax.jit(numerics.emulate(fn, "fp16"))(qb, kb, vb, pos, pos))
+    causal = pos[0][None, :] <= pos[0][:, None]
+    w = _softmax_rows(np.einsum("bhqd,bhkd->bhqk", qb, kb).astype(np.float64), causal)
+    want = np.einsum("bhqk,bhkd->bhqd", w, vb.astype(np.float64))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= FP16_BOUND * np.abs(want).max()
+
+
+def test_mxfp6_weights_move_the_soft_tokens_by_their_rounding(default_model):
+    """`drift --mxfp6`'s model: the matmul weights are `ref.mxfp6`'s round trip, the embedding
+    table untouched, and the vision tower's soft tokens move by more than float32 noise and
+    less than the weights' own rounding allows; E3M2 (one mantissa bit fewer) moves them more
+    than E2M3."""
+    from codegen.check.drift import random_prompt, with_mxfp6
+    from ref import mxfp6
+
+    stored = with_mxfp6(default_model, "e2m3")
+    q = ("layers", "0", "self_attn", "q_proj", "weight")
+    pick = lambda tree: reduce(lambda t, k: t[k], q, tree)  # noqa: E731
+    np.testing.assert_array_equal(pick(stored.params), mxfp6.round_trip(pick(default_model.params)))
+    assert stored.params["embed_tokens"]["weight"] is default_model.params["embed_tokens"]["weight"]
+    _, patches, grids = random_prompt(default_model, np.random.default_rng(2))
+    want = default_model.vision.embed(patches, grids)[0]
+    moved = {}
+    for element in ("e2m3", "e3m2"):
+        got = with_mxfp6(default_model, element).vision.embed(patches, grids)[0]
+        moved[element] = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert 1e-4 < moved["e2m3"] < moved["e3m2"] < 0.5, moved
