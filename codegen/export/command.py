@@ -5,12 +5,15 @@ The output folder holds, for each graph G: G.onnx, G.specializations.json, G.cus
 shards (hard links), its config.json (and shard index), compile.sh and manifest.json. So the
 folder is itself a checkpoint `verify` can reopen. It is built in a temporary sibling and
 renamed into place: a failed export leaves nothing behind.
+
+This module holds the command: its options (`ExportOptions`), the run that writes the folder
+(`export`) and the table printed after it (`summary`). The graphs it writes come from
+`codegen.export.specs`, each graph's files from `codegen.export.graph_files`.
 """
 
 import contextlib
 import dataclasses
 import gc
-import json
 import os
 import shutil
 import sys
@@ -19,19 +22,15 @@ import time
 from pathlib import Path
 
 from codegen import graphs
-from codegen.check import structure as checks
 from codegen.export import qaic
-from codegen.export.options import EXPORT_DEFAULTS
+from codegen.export.graph_files import atomic_text, retained_layout, write_graph
+from codegen.export.options import EXPORT_DEFAULTS, ExportError
+from codegen.export.specs import graph_specs
 from codegen.folder import external, hashcache
-from codegen.folder.manifest import FORMAT, MANIFEST, Graph, Manifest, Shard, Tensor
+from codegen.folder.manifest import FORMAT, MANIFEST, Manifest, Shard
 from codegen.folder.sessions import publish
-from codegen.graphs import attention as attention_graph
-from codegen.graphs import kinds
-from codegen.graphs import model as model_graphs
 from codegen.graphs import vision as vision_graph
-from codegen.lower.clip import clip_fp16
 from codegen.lower.ops import OPSET
-from codegen.lower.trace import trace
 from ref.blocking import VISION_TILES
 from ref.gemma4.images import DEFAULT_BUDGETS
 from weights import open_checkpoint
@@ -46,10 +45,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-
-class ExportError(ValueError):
-    """Bad options or an output folder that cannot be written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,153 +146,6 @@ class ExportOptions:
         self.ccl_lists()
 
 
-def graph_specs(checkpoint, opts):
-    """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
-    checkpoint has one), then the language model's prefill and decode graphs (`--graphs
-    model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
-    shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
-    shared = {"batch_size": opts.batch_size, "seq_len": opts.seq_len, "ctx_len": opts.ctx_len}
-
-    def build(kind, name, options):
-        return kinds.build(kind, name, checkpoint.config, shapes, options,
-                           use_functions=opts.sub_functions)  # fmt: skip
-
-    language = "model" in opts.graphs and model_graphs.text_prefix(shapes) is not None
-    language = language and graphs.text_config(checkpoint.config) is not None
-    specs = []
-    # a --decode-only export reads no image: its vision graph belongs to the prefill side
-    wants_vision = not language or "prefill" in opts.phases
-    if opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
-        # vision_size < ctx_len binds only where a language graph reads the soft tokens
-        vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
-        asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}
-        specs.append(build("vision", "vision", asked))
-    if language:
-        # both sides hold the cache as the decode graph reads it (the retained state)
-        folded = model_graphs.folds_cache(
-            *opts.decode_blocking, batch=opts.full_batch_size or opts.batch_size,
-            ctx_len=opts.ctx_len,
-        )  # fmt: skip
-        cfg = graphs.text_config(checkpoint.config)
-        for phase, (mode, options), moe in (
-            ("prefill", opts.prefill_blocking, opts.moe_prefill),
-            ("decode", opts.decode_blocking, opts.moe_decode),
-        ):
-            if phase not in opts.phases:
-                continue
-            # the step's rows: decode runs over every continuous-batching slot
-            decode_rows = opts.full_batch_size or opts.batch_size
-            tokens = opts.batch_size * opts.seq_len if phase == "prefill" else decode_rows
-            asked = {
-                "mode": mode,
-                "blocking": options,
-                "budgets": opts.budgets,
-                "sliding_ring": opts.sliding_ring,
-                "full_batch_size": opts.full_batch_size,
-                "folded_cache": folded,
-                "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
-                "moe": model_graphs.phase_moe(
-                    moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens
-                ),
-            }
-            specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
-    stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
-        checkpoint.config, shapes
-    )
-    seen = {}
-    for mode, options in opts.blocking if stackable else ():
-        seen[mode] = seen.get(mode, 0) + 1
-        name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
-        asked = {"mode": mode, "blocking": options, "layers": opts.attention_layers or stackable}
-        specs.append(build("attention", name, {**shared, **asked}))
-    if not specs:
-        raise ExportError(
-            f"{checkpoint.dir}: nothing to export (no vision tower tensors, no text decoder "
-            f"for --graphs model, no stackable attention layers for --graphs attention)"
-        )
-    return specs
-
-
-def _function_names(model):
-    return sorted({f.name for f in model.functions})
-
-
-def _atomic_text(path, text):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w" if isinstance(text, str) else "wb") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _io_entry(tensor, specializations):
-    return Tensor(
-        name=tensor.name,
-        dtype=tensor.dtype,
-        shape=list(tensor.shape),
-        shapes={s["name"]: list(tensor.concrete(s["symbols"])) for s in specializations},
-    )
-
-
-def write_graph(spec, checkpoint, folder, opts, log):
-    """Trace, bind weights, write and check one graph; returns its manifest entry (a
-    `codegen.folder.manifest.Graph`)."""
-    shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
-    t0 = time.perf_counter()
-    first = {spec.specializations[0]["name"]: checks.no_unclamped_dynamic_slice(spec, shapes)}
-    model = trace(spec, checkpoint.tensors)
-    traced = time.perf_counter() - t0
-    weight_spec = None
-    if opts.weights == "external":
-        external.externalize(model, spec.weights, checkpoint.tensors, checkpoint.dir)
-    else:
-        weight_spec = f"{spec.name}.weights.json"
-        ws = external.as_inputs(model, spec.weights, checkpoint.tensors, spec.name, checkpoint.dir)
-        _atomic_text(os.path.join(folder, weight_spec), json.dumps(ws, indent=2) + "\n")
-    clipped = clip_fp16(model, spec.weights, checkpoint.read) if opts.clip_fp16 else None
-    path = os.path.join(folder, f"{spec.name}.onnx")
-    data = model.SerializeToString(deterministic=True)
-    _atomic_text(path, data)
-    t1 = time.perf_counter()
-    checks.checker(model)
-    checks.external_paths(model, folder)
-    checks.allowed_ops(model)
-    checks.inferred_shapes(model, spec, shapes, known=first)
-    checked = time.perf_counter() - t1
-    _atomic_text(
-        os.path.join(folder, f"{spec.name}.specializations.json"),
-        qaic.specializations_json(spec.specializations, legacy=opts.legacy_specializations),
-    )
-    if spec.retained:
-        _atomic_text(
-            os.path.join(folder, f"{spec.name}.custom_io.yaml"),
-            qaic.custom_io_yaml(spec.retained, opts.kv_dtype),
-        )
-    log(
-        f"  {spec.name}: traced {traced:.1f} s, checked {checked:.1f} s, "
-        f"{len(data) / 1e6:.2f} MB, {len(model.graph.node)} nodes, "
-        f"functions {_function_names(model) or 'none'}"
-    )
-    return Graph(
-        name=spec.name,
-        file=f"{spec.name}.onnx",
-        kind=spec.kind,
-        options=spec.options,
-        weights_mode=opts.weights,
-        clip_fp16=clipped,
-        weight_spec=weight_spec,
-        sub_functions=bool(model.functions),
-        functions=_function_names(model),
-        nodes=len(model.graph.node),
-        onnx_bytes=len(data),
-        trace_s=round(traced, 3),
-        inputs=tuple(_io_entry(t, spec.specializations) for t in spec.inputs),
-        outputs=tuple(_io_entry(t, spec.specializations) for t in spec.outputs),
-        weights=list(spec.weights),
-        specializations=list(spec.specializations),
-        retained_state=[list(p) for p in spec.retained],
-    )
-
-
 def _prepare_out(out, force):
     """Refuse an output that exists as a file, or a non-empty folder without `force`."""
     out = Path(os.path.abspath(out))
@@ -306,19 +154,6 @@ def _prepare_out(out, force):
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out}: folder is not empty (pass --force to replace it)")
     return out
-
-
-def retained_layout(entries):
-    """The KV-cache layout the exported language graphs share: {input name: shape} of every
-    retained-state input, at the decode (else prefill) graph's first specialization — what a
-    prefill-only and a decode-only export must agree on to hand the cache over."""
-    for kind in ("decode", "prefill"):
-        for e in entries:
-            if e.kind == kind:
-                retained = {pair[0] for pair in e.retained_state}
-                spec = e.specializations[0]["name"]
-                return {t.name: t.shapes[spec] for t in e.inputs if t.name in retained}
-    return None
 
 
 @contextlib.contextmanager
@@ -344,6 +179,9 @@ def export(opts, log=None):
 
 
 def _export(opts, log):
+    """`export` at the default collector thresholds: check the options and the output, open
+    the checkpoint, ask for its graphs, then fill a temporary sibling of the output and
+    publish it in its place (removed instead when anything fails)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     opts.validate()
     out = _prepare_out(opts.out, opts.force)
@@ -360,38 +198,45 @@ def _export(opts, log):
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     start = time.perf_counter()
     try:
-        shards = external.place_shards(checkpoint.shards, tmp, checkpoint.dir)
-        # the tokenizer, template and stop ids too: `run --prompt` needs only the folder
-        extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
-        for extra in extras:
-            if (checkpoint.dir / extra).is_file():
-                shutil.copyfile(checkpoint.dir / extra, tmp / extra)
-        shards = [_shard(s, tmp, source, opts, log) for s, source in
-                  zip(shards, checkpoint.shards, strict=True)]  # fmt: skip
-        entries = []
-        for i, spec in enumerate(specs):
-            log(f"[{i + 1}/{len(specs)}] {spec.name}")
-            entries.append(write_graph(spec, checkpoint, tmp, opts, log))
-        for name, text in qaic.compiler_files(entries, opts).items():
-            _atomic_text(tmp / name, text)
-        os.chmod(tmp / qaic.COMPILE_SCRIPT, 0o755)
-        manifest = Manifest(
-            format=FORMAT,
-            source=str(checkpoint.dir),
-            opset=OPSET,
-            options=_options_json(opts),
-            shards=tuple(shards),
-            bytes_copied=sum(s.bytes for s in shards if s.copied),
-            graphs=tuple(entries),
-            retained_layout=retained_layout(entries),
-        )
-        _atomic_text(tmp / MANIFEST, manifest.to_json())
+        manifest = _fill(tmp, checkpoint, specs, opts, log)
         os.chmod(tmp, 0o755)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest, time.perf_counter() - start
+
+
+def _fill(folder, checkpoint, specs, opts, log):
+    """Write the export's files into `folder`: the checkpoint's shards and side files, each
+    graph of `specs`, the compiler's files and manifest.json; returns the Manifest."""
+    shards = external.place_shards(checkpoint.shards, folder, checkpoint.dir)
+    # the tokenizer, template and stop ids too: `run --prompt` needs only the folder
+    extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+    for extra in extras:
+        if (checkpoint.dir / extra).is_file():
+            shutil.copyfile(checkpoint.dir / extra, folder / extra)
+    shards = [_shard(s, folder, source, opts, log) for s, source in
+              zip(shards, checkpoint.shards, strict=True)]  # fmt: skip
+    entries = []
+    for i, spec in enumerate(specs):
+        log(f"[{i + 1}/{len(specs)}] {spec.name}")
+        entries.append(write_graph(spec, checkpoint, folder, opts, log))
+    for name, text in qaic.compiler_files(entries, opts).items():
+        atomic_text(folder / name, text)
+    os.chmod(folder / qaic.COMPILE_SCRIPT, 0o755)
+    manifest = Manifest(
+        format=FORMAT,
+        source=str(checkpoint.dir),
+        opset=OPSET,
+        options=_options_json(opts),
+        shards=tuple(shards),
+        bytes_copied=sum(s.bytes for s in shards if s.copied),
+        graphs=tuple(entries),
+        retained_layout=retained_layout(entries),
+    )
+    atomic_text(folder / MANIFEST, manifest.to_json())
+    return manifest
 
 
 def _shard(placed, folder, source, opts, log):
@@ -404,6 +249,7 @@ def _shard(placed, folder, source, opts, log):
 
 
 def _options_json(opts):
+    """`opts` as manifest.json records them (plain JSON: lists, no paths but the model's)."""
     d = dataclasses.asdict(opts)
     d["out"] = None
     d["model"] = None if opts.model is None else str(opts.model)

@@ -1,7 +1,7 @@
 """The export's default option values, in one home: `codegen.export.command.ExportOptions`
 takes them as its field defaults and `codegen.cli.parser` quotes them in `--help` (the command
-line leaves an option it is not given to ExportOptions). No imports: the command line reads it
-cheaply."""
+line leaves an option it is not given to ExportOptions); and ExportError, what a bad option
+raises. No imports: the command line reads it cheaply."""
 
 EXPORT_DEFAULTS = {
     "batch_size": 1,
@@ -11,3 +11,7 @@ EXPORT_DEFAULTS = {
     "num_devices": 1,
     "hw_version": "ai100",
 }
+
+
+class ExportError(ValueError):
+    """Bad options or an output folder that cannot be written."""

@@ -1,7 +1,8 @@
 """What gets exported: each graph as a traceable function over flat arrays plus its contract.
 The package's modules build the graphs (`kinds`: the registry export builds and verify rebuilds
-through; `vision`, `model`: prefill and decode, `attention`); this module holds what they share.
-Imports no other codegen package.
+through; `vision`, `model`: prefill and decode, with `decoder`: the text decoder's weights,
+layer kinds and caches, and `ccl`: compute context lengths; `attention`); this module holds
+what they share. Imports no other codegen package.
 
 A `GraphSpec` says the graph's inputs (with specialization symbols in their shapes), its
 outputs, the checkpoint tensors it takes as weights (in call order), its specializations,

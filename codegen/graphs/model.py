@@ -28,26 +28,20 @@ from codegen.graphs import (
     route_layers,
     text_config,
 )
+from codegen.graphs.ccl import CCL, ccl_constraints, check_ccls, specializations
+from codegen.graphs.decoder import (
+    LM_HEAD,
+    cache_owners,
+    cache_tensors,
+    decoder_kinds,
+    gathered,
+    model_weights,
+)
 from ref import moe_modes
 from ref.attention import blocked, reference
 from ref.gemma4 import text as T
-from ref.gemma4.params import TEXT, nested, text_param_shapes
+from ref.gemma4.params import nested
 from ref.gemma4.step import apply_step
-from ref.gemma4.text_config import SLIDING
-from weights import check_shapes
-
-LM_HEAD = "lm_head.weight"
-CCL = "comp_ctx_lengths"  # QEfficient's input and symbol: the graph reads its length only
-TEXT_PREFIXES = (TEXT, "model.")
-
-
-def text_prefix(tensor_names):
-    """Where the decoder's names start ("model.language_model." in a Gemma 4 VLM, "model."
-    in a text-only Gemma4ForCausalLM save), None without a decoder."""
-    for prefix in TEXT_PREFIXES:
-        if prefix + "embed_tokens.weight" in tensor_names:
-            return prefix
-    return None
 
 
 def phase_blocking(mode, options, *, prefill, batch, queries, kv_len):
@@ -90,53 +84,6 @@ def folds_cache(mode, options, *, batch, ctx_len):
     [1, rows·Hkv, T, D] (QEfficient's batch-fold layout, the same bytes as [rows, Hkv, T, D])."""
     config = blocking(mode, options, prefill=False, batch=batch, queries=1, kv_len=ctx_len)
     return config is not None and config.batch_fold
-
-
-def decoder_kinds(cfg):
-    """The ONNX function name of each decoder layer: one per distinct layer structure
-    (sliding/full × owns its cache or shares one × dense/MoE, then head layout)."""
-    names, seen = [], {}
-    for i in range(cfg.num_hidden_layers):
-        base = "Sliding" if cfg.layer_types[i] == SLIDING else "Full"
-        base += "Shared" if cfg.shares_kv(i) else ""
-        base += "MoE" if cfg.enable_moe_block else ""
-        shape = (cfg.head_dims[i], cfg.kv_heads[i])
-        layouts = seen.setdefault(base, [])
-        if shape not in layouts:
-            layouts.append(shape)
-        n = layouts.index(shape)
-        names.append(f"{base}DecoderLayer" + (f"_{n + 1}" if n else ""))
-    return tuple(names)
-
-
-def cache_owners(cfg):
-    """The layers that own a KV cache (KV-sharing consumers read their producer's)."""
-    return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
-
-
-def _cache_tensors(cfg, ring, ctx_len, rows="batch_size", folded=False):
-    window = min(cfg.sliding_window, ctx_len)
-    out = []
-    for i in cache_owners(cfg):
-        slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"
-        lead = (1, folded_rows(cfg, cfg.kv_heads[i])) if folded else (rows, cfg.kv_heads[i])
-        shape = (*lead, slots, cfg.head_dims[i])
-        out += [Tensor(f"past_{kind}.{i}", shape, "float32") for kind in ("key", "value")]
-    return tuple(out)
-
-
-def model_weights(cfg, tensor_shapes):
-    """(checkpoint prefix, weight names in call order: the decoder's, then lm_head if the
-    checkpoint has its own), after checking every shape against `ref`."""
-    prefix = text_prefix(tensor_shapes)
-    if prefix is None:
-        raise GraphError(f"no text decoder: missing tensor '{TEXT}embed_tokens.weight'")
-    expected = {prefix + n[len(TEXT) :]: s for n, s in text_param_shapes(cfg).items()}
-    if LM_HEAD in tensor_shapes:
-        expected[LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
-    check_shapes(tensor_shapes, expected, "checkpoint")
-    names = sorted(n for n in expected if n != LM_HEAD)
-    return prefix, tuple(names) + ((LM_HEAD,) if LM_HEAD in expected else ())
 
 
 def _sample(cfg, vision, cache_in, symbols, rng):
@@ -207,6 +154,73 @@ def model_graph(
     position of a step must be < K (the runner picks the least K above them). moe: how the
     experts run (`ref.moe_modes` text; nsp's counts must divide the experts and batch × seq_len).
     """
+    cfg, batch_size, seq_len = _checked_sizes(
+        checkpoint_config, phase, batch_size, seq_len, ctx_len, full_batch_size
+    )
+    vision = phase == "prefill" and cfg.image_token_id is not None and bool(budgets)
+    budgets = tuple(budgets) if vision else ()
+    for budget in budgets:
+        if not budget < ctx_len:
+            raise GraphError(f"vision_size {budget} must be < ctx_len {ctx_len}")
+    try:
+        experts = moe_modes.for_phase(moe, phase, cfg.num_experts, batch_size * seq_len)
+    except ValueError as e:
+        raise GraphError(f"{phase} graph: {e}") from e
+    config, multiple, ccls = _planned_blocking(
+        cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths
+    )
+    folded = folded_cache or (config is not None and config.batch_fold)
+    prefix, names = model_weights(cfg, tensor_shapes)
+    kinds = decoder_kinds(cfg)
+    rows = "batch_size" if full_batch_size is None else "full_batch_size"
+    cache_in = cache_tensors(cfg, sliding_ring, ctx_len, rows, folded)
+    ids, outputs = _io_tensors(cfg, vision, full_batch_size is not None, bool(ccls), cache_in)
+    forward = _forward(cfg, vision, ids, cache_in, names, prefix, kinds, experts)
+    if use_functions:
+        for kind in set(kinds):
+            layer_function(kind)
+    base = _static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded)
+    kernel = reference if config is None else partial(blocked, config=config)
+    return GraphSpec(
+        name=phase,
+        kind=phase,
+        options={
+            "mode": mode or "none",
+            "blocking": dict(options or {}),
+            "resolved_blocking": None if config is None else _config_json(config),
+            "batch_size": batch_size,
+            "seq_len": seq_len,
+            "ctx_len": ctx_len,
+            "budgets": list(budgets),
+            "sliding_ring": sliding_ring,
+            "full_batch_size": full_batch_size,
+            "folded_cache": folded,
+            "comp_ctx_lengths": list(ccls),
+            "moe": str(experts),
+            "layer_functions": sorted(set(kinds)),
+        },
+        inputs=ids + cache_in,
+        outputs=outputs,
+        weights=names,
+        fn=forward(kernel, use_functions),
+        reference=_reference(forward, ids + cache_in, outputs, names),
+        sample=partial(_sample, cfg, vision, cache_in),
+        specializations=specializations(phase, base, budgets, ccls),
+        retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
+        static=tuple(base),
+        gathered=gathered(prefix, names),
+        head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
+        # a layer's cache is read by that layer only (with continuous batching too: each
+        # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
+        lazy=tuple(t.name for t in cache_in),
+        constraints=ccl_constraints(ctx_len, multiple) if ccls else (),
+    )
+
+
+def _checked_sizes(checkpoint_config, phase, batch_size, seq_len, ctx_len, full_batch_size):
+    """(text config, the graph's batch_size, its seq_len): decode runs over every
+    continuous-batching slot, one token each; GraphError for a vision-only checkpoint, an
+    unknown phase, or sizes that do not fit."""
     if full_batch_size is not None:
         if full_batch_size < batch_size:
             raise GraphError(
@@ -219,24 +233,24 @@ def model_graph(
         raise GraphError("no text_config: a vision-only checkpoint has no language graphs")
     if phase not in ("prefill", "decode"):
         raise GraphError(f"phase {phase!r}: expected 'prefill' or 'decode'")
-    prefill = phase == "prefill"
-    if not prefill:
+    if phase == "decode":
         seq_len = 1
     if seq_len > ctx_len:
         raise GraphError(f"seq_len {seq_len} must be <= ctx_len {ctx_len}")
-    vision = prefill and cfg.image_token_id is not None and bool(budgets)
-    for budget in budgets if vision else ():
-        if not budget < ctx_len:
-            raise GraphError(f"vision_size {budget} must be < ctx_len {ctx_len}")
-    try:
-        experts = moe_modes.for_phase(moe, phase, cfg.num_experts, batch_size * seq_len)
-    except ValueError as e:
-        raise GraphError(f"{phase} graph: {e}") from e
+    return cfg, batch_size, seq_len
+
+
+def _planned_blocking(
+    cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths
+):
+    """(the phase's BlockingConfig or None, the multiple its KV lengths must be, the checked
+    compute context lengths), after planning the blocking at every KV length the graph
+    attends over (each head count × ctx_len, each K, the ring's window + seq_len)."""
     window = min(cfg.sliding_window, ctx_len)
     config = phase_blocking(
         mode,
         dict(options or {}),
-        prefill=prefill,
+        prefill=phase == "prefill",
         batch=batch_size,
         queries=seq_len,
         kv_len=min(ctx_len, window + seq_len) if sliding_ring else ctx_len,
@@ -251,11 +265,13 @@ def model_graph(
                     config.plan(batch_size, cfg.num_attention_heads, kv_heads, seq_len, kv_len)
         except ValueError as e:
             raise GraphError(f"{phase} blocking {mode!r} {options}: {e}") from e
-    folded = folded_cache or (config is not None and config.batch_fold)
-    prefix, names = model_weights(cfg, tensor_shapes)
-    kernel = reference if config is None else partial(blocked, config=config)
-    kinds = decoder_kinds(cfg)
+    return config, multiple, ccls
 
+
+def _io_tensors(cfg, vision, batch_index, ccl, cache_in):
+    """(the inputs before the caches, the outputs): ids and positions, the soft tokens and
+    image_idx (vision), batch_index (continuous batching), comp_ctx_lengths (ccl); logits,
+    image_idx_output (vision), then each cache's retained state."""
     ids = (
         Tensor("input_ids", ("batch_size", "seq_len"), "int32"),
         Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
@@ -265,16 +281,22 @@ def model_graph(
             Tensor("vision_embeds", ("batch_size", "vision_size", cfg.hidden_size), "float32"),
             Tensor("image_idx", ("batch_size", 1), "int32"),
         )
-    if full_batch_size is not None:
+    if batch_index:
         ids += (Tensor("batch_index", ("batch_size", 1), "int32"),)
-    if ccls:
+    if ccl:
         ids += (Tensor(CCL, (CCL,), "int64"),)
-    rows = "batch_size" if full_batch_size is None else "full_batch_size"
-    cache_in = _cache_tensors(cfg, sliding_ring, ctx_len, rows, folded)
     outputs = (Tensor("logits", ("batch_size", 1, cfg.vocab_size), "float32"),)
     if vision:
         outputs += (Tensor("image_idx_output", ("batch_size", 1), "int32"),)
     outputs += tuple(Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in)
+    return ids, outputs
+
+
+def _forward(cfg, vision, ids, cache_in, names, prefix, kinds, experts):
+    """forward(attention, routed): the graph's function of its flat arguments (`ids`, the
+    caches, the weights `names`) to its flat outputs (logits, image_idx with vision, each
+    owner's new key and value), one `apply_step` attending with `attention`, each decoder
+    layer routed through the ONNX function of its kind when `routed`."""
     owners = cache_owners(cfg)
     n_in, n_text = len(ids), sum(n != LM_HEAD for n in names)
 
@@ -294,7 +316,7 @@ def model_graph(
             vision_args = head[2:4] if vision else (None, None)
             named = dict(zip((t.name for t in ids), head, strict=True))
             batch_index = named.get("batch_index")
-            key_len = named[CCL].shape[0] if ccls else None
+            key_len = named[CCL].shape[0] if CCL in named else None
             kind = lambda module: kinds[module.layer]  # noqa: E731
             with nn.intercept_methods(route_layers(T.DecoderLayer, routed, kind)):
                 out = apply_step(
@@ -319,14 +341,16 @@ def model_graph(
 
         return fn
 
-    if use_functions:
-        for kind in set(kinds):
-            layer_function(kind)
+    return forward
+
+
+def _reference(forward, inputs, outputs, names):
+    """The GraphSpec's reference: `forward` unrouted on a sample feed of `inputs`."""
 
     def run_reference(feed, weights, attention=reference):
         """`ref` on the sample `feed` and float32 `weights`, attending with `attention`
         (a kernel with `reference`'s signature and answer)."""
-        args = [feed[t.name] for t in ids + cache_in]
+        args = [feed[t.name] for t in inputs]
         args = [x if isinstance(x, Drawn) else jnp.asarray(x) for x in args]
         out = forward(attention, False)(
             *args, *(jnp.asarray(weights[n], jnp.float32) for n in names)
@@ -334,99 +358,20 @@ def model_graph(
         return {t.name: x if isinstance(x, Released) else np.asarray(x)
                 for t, x in zip(outputs, out, strict=True)}  # fmt: skip
 
+    return run_reference
+
+
+def _static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded):
+    """The symbols bound at trace time: batch_size, seq_len, ctx_len, full_batch_size
+    (continuous batching) and each folded cache's rows·Hkv (folded)."""
     base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
     if full_batch_size is not None:
         base["full_batch_size"] = full_batch_size
     for heads in set(cfg.kv_heads) if folded else ():
         base[folded_rows(cfg, heads)] = (full_batch_size or batch_size) * heads
-    specs = _specializations(phase, base, budgets if vision else (), ccls)
-    return GraphSpec(
-        name=phase,
-        kind=phase,
-        options={
-            "mode": mode or "none",
-            "blocking": dict(options or {}),
-            "resolved_blocking": None if config is None else _config_json(config),
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "ctx_len": ctx_len,
-            "budgets": list(budgets) if vision else [],
-            "sliding_ring": sliding_ring,
-            "full_batch_size": full_batch_size,
-            "folded_cache": folded,
-            "comp_ctx_lengths": list(ccls),
-            "moe": str(experts),
-            "layer_functions": sorted(set(kinds)),
-        },
-        inputs=ids + cache_in,
-        outputs=outputs,
-        weights=names,
-        fn=forward(kernel, use_functions),
-        reference=run_reference,
-        sample=partial(_sample, cfg, vision, cache_in),
-        specializations=specs,
-        retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
-        static=tuple(base),
-        gathered=_gathered(prefix, names),
-        head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
-        # a layer's cache is read by that layer only (with continuous batching too: each
-        # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
-        lazy=tuple(t.name for t in cache_in),
-        constraints=_ccl_constraints(ctx_len, multiple) if ccls else (),
-    )
-
-
-def _ccl_constraints(ctx_len, multiple):
-    """What the trace may assume of the symbol comp_ctx_lengths (`check_ccls` holds them)."""
-    out = (f"{CCL} <= {ctx_len}", f"{CCL} >= {multiple}")
-    return out + ((f"mod({CCL}, {multiple}) == 0",) if multiple > 1 else ())
-
-
-def check_ccls(ccls, ctx_len, seq_len, phase, multiple=1):
-    """Compute context lengths as a sorted tuple of distinct ints in [seq_len, ctx_len] (a
-    prefill chunk of seq_len tokens starting at 0 needs K ≥ seq_len), each a multiple of
-    `multiple` (the phase's blocking cuts K into exact KV blocks and pieces:
-    `BlockingConfig.kv_multiple`), raising GraphError naming the first bad value."""
-    ccls = tuple(ccls or ())
-    for k in ccls:
-        if isinstance(k, bool) or not isinstance(k, int) or not seq_len <= k <= ctx_len:
-            raise GraphError(
-                f"{phase} compute context length {k!r}: expected an int in "
-                f"[seq_len={seq_len}, ctx_len={ctx_len}]"
-            )
-        if k % multiple:
-            raise GraphError(
-                f"{phase} compute context length {k}: {phase} blocking cuts it into exact KV "
-                f"blocks (× head-parallel pieces) of {multiple}; expected a multiple of {multiple}"
-            )
-    if list(ccls) != sorted(set(ccls)):
-        raise GraphError(f"{phase} compute context lengths {list(ccls)}: expected increasing")
-    return ccls
-
-
-def _specializations(phase, base, budgets, ccls):
-    """One specialization per vision budget (prefill with vision; else one) × per compute
-    context length (none: the graph's one shape): [{"name", "symbols"}]."""
-    per_budget = (
-        [(f"prefill_{b}", {**base, "vision_size": b}) for b in budgets]
-        if budgets
-        else [(phase, base)]
-    )
-    if not ccls:
-        return tuple({"name": n, "symbols": s} for n, s in per_budget)
-    return tuple(
-        {"name": f"{n}_ccl{k}", "symbols": {**s, CCL: k}} for k in ccls for n, s in per_budget
-    )
-
-
-def _gathered(prefix, names):
-    """The tables `ref` only gathers rows of: per-layer embeddings, and the token embeddings
-    when the checkpoint has its own lm_head (else they are the logits' weights too)."""
-    tables = [prefix + "embed_tokens_per_layer.weight"]
-    if LM_HEAD in names:
-        tables.append(prefix + "embed_tokens.weight")
-    return tuple(n for n in tables if n in names)
+    return base
 
 
 def _config_json(blocking):
+    """A BlockingConfig's set fields, as the graph's options record them."""
     return {k: v for k, v in vars(blocking).items() if v not in (None, False)}

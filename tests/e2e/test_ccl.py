@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from codegen.__main__ import main
 from codegen.check.verify import verify
-from codegen.export.command import ExportError, ExportOptions, export
+from codegen.export.command import ExportOptions, export
+from codegen.export.options import ExportError
 from codegen.graphs import GraphError
 from codegen.run.runtime import Request, RunError, Runner, ccl_for
 from tests.hf_vision import patches_for

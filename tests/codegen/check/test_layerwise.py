@@ -21,7 +21,7 @@ from codegen.check.verify import verify
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import default_checkpoint
 from codegen.graphs import text_config
-from codegen.graphs.model import cache_owners
+from codegen.graphs.decoder import cache_owners
 from ref.attention import reference
 from weights import open_checkpoint
 

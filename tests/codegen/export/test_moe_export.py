@@ -130,7 +130,7 @@ def test_verify_layer_by_layer_rebuilds_the_modes(saved, tmp_path_factory):
 def test_defaults_are_what_qefficient_compiles(saved):
     """No option: decode gather, prefill nsp over --num-cores when it divides the experts
     (packed chunks of 256 when they divide batch × seq_len, else one), dense otherwise."""
-    from codegen.export.command import graph_specs
+    from codegen.export.specs import graph_specs
     from weights import open_checkpoint
 
     checkpoint = open_checkpoint(saved["e8k2"][1])
@@ -159,7 +159,7 @@ def test_what_cannot_apply_is_refused(saved, options, match, tmp_path):
 
 
 def test_a_mode_for_a_checkpoint_without_experts_is_refused_only_when_given(tmp_path):
-    from codegen.export.command import graph_specs
+    from codegen.export.specs import graph_specs
     from weights import open_checkpoint
 
     hf = hf_model(text_config(moe=False, layer_types=["sliding_attention"], ple=0), seed=1)

@@ -1,0 +1,76 @@
+"""The graphs an export writes: the GraphSpecs a checkpoint and the export's options ask for,
+each built through `codegen.graphs.kinds` (as `verify` rebuilds it from the manifest)."""
+
+from codegen import graphs
+from codegen.export.options import ExportError
+from codegen.graphs import attention as attention_graph
+from codegen.graphs import decoder, kinds
+from codegen.graphs import model as model_graphs
+from codegen.graphs import vision as vision_graph
+
+
+def graph_specs(checkpoint, opts):
+    """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
+    checkpoint has one), then the language model's prefill and decode graphs (`--graphs
+    model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
+    shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
+    shared = {"batch_size": opts.batch_size, "seq_len": opts.seq_len, "ctx_len": opts.ctx_len}
+
+    def build(kind, name, options):
+        return kinds.build(kind, name, checkpoint.config, shapes, options,
+                           use_functions=opts.sub_functions)  # fmt: skip
+
+    language = "model" in opts.graphs and decoder.text_prefix(shapes) is not None
+    language = language and graphs.text_config(checkpoint.config) is not None
+    specs = []
+    # a --decode-only export reads no image: its vision graph belongs to the prefill side
+    wants_vision = not language or "prefill" in opts.phases
+    if opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
+        # vision_size < ctx_len binds only where a language graph reads the soft tokens
+        vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
+        asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}
+        specs.append(build("vision", "vision", asked))
+    if language:
+        # both sides hold the cache as the decode graph reads it (the retained state)
+        folded = model_graphs.folds_cache(
+            *opts.decode_blocking, batch=opts.full_batch_size or opts.batch_size,
+            ctx_len=opts.ctx_len,
+        )  # fmt: skip
+        cfg = graphs.text_config(checkpoint.config)
+        for phase, (mode, options), moe in (
+            ("prefill", opts.prefill_blocking, opts.moe_prefill),
+            ("decode", opts.decode_blocking, opts.moe_decode),
+        ):
+            if phase not in opts.phases:
+                continue
+            # the step's rows: decode runs over every continuous-batching slot
+            decode_rows = opts.full_batch_size or opts.batch_size
+            tokens = opts.batch_size * opts.seq_len if phase == "prefill" else decode_rows
+            asked = {
+                "mode": mode,
+                "blocking": options,
+                "budgets": opts.budgets,
+                "sliding_ring": opts.sliding_ring,
+                "full_batch_size": opts.full_batch_size,
+                "folded_cache": folded,
+                "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
+                "moe": model_graphs.phase_moe(
+                    moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens
+                ),
+            }
+            specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
+    stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
+        checkpoint.config, shapes
+    )
+    seen = {}
+    for mode, options in opts.blocking if stackable else ():
+        seen[mode] = seen.get(mode, 0) + 1
+        name = f"attention_{mode}" + (f"_{seen[mode]}" if seen[mode] > 1 else "")
+        asked = {"mode": mode, "blocking": options, "layers": opts.attention_layers or stackable}
+        specs.append(build("attention", name, {**shared, **asked}))
+    if not specs:
+        raise ExportError(
+            f"{checkpoint.dir}: nothing to export (no vision tower tensors, no text decoder "
+            f"for --graphs model, no stackable attention layers for --graphs attention)"
+        )
+    return specs

@@ -1,0 +1,80 @@
+"""The Gemma 4 text decoder as the language graphs see it: where its weights start in a
+checkpoint and which it takes (in call order, shapes checked against `ref`), the ONNX
+function name of each decoder layer, and the KV-cache tensors of the layers that own one.
+"""
+
+from codegen.graphs import GraphError, Tensor, folded_rows
+from ref.gemma4.params import TEXT, text_param_shapes
+from ref.gemma4.text_config import SLIDING
+from weights import check_shapes
+
+LM_HEAD = "lm_head.weight"
+TEXT_PREFIXES = (TEXT, "model.")
+
+
+def text_prefix(tensor_names):
+    """Where the decoder's names start ("model.language_model." in a Gemma 4 VLM, "model."
+    in a text-only Gemma4ForCausalLM save), None without a decoder."""
+    for prefix in TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in tensor_names:
+            return prefix
+    return None
+
+
+def decoder_kinds(cfg):
+    """The ONNX function name of each decoder layer: one per distinct layer structure
+    (sliding/full × owns its cache or shares one × dense/MoE, then head layout)."""
+    names, seen = [], {}
+    for i in range(cfg.num_hidden_layers):
+        base = "Sliding" if cfg.layer_types[i] == SLIDING else "Full"
+        base += "Shared" if cfg.shares_kv(i) else ""
+        base += "MoE" if cfg.enable_moe_block else ""
+        shape = (cfg.head_dims[i], cfg.kv_heads[i])
+        layouts = seen.setdefault(base, [])
+        if shape not in layouts:
+            layouts.append(shape)
+        n = layouts.index(shape)
+        names.append(f"{base}DecoderLayer" + (f"_{n + 1}" if n else ""))
+    return tuple(names)
+
+
+def cache_owners(cfg):
+    """The layers that own a KV cache (KV-sharing consumers read their producer's)."""
+    return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
+
+
+def cache_tensors(cfg, ring, ctx_len, rows="batch_size", folded=False):
+    """`past_key.{i}`, `past_value.{i}` of every cache owner i: [rows, Hkv, slots, D], slots
+    the sliding window's (capped at ctx_len) for a sliding layer in a ring, else `ctx_len`;
+    folded: [1, rows·Hkv, slots, D] (the batch-fold layout)."""
+    window = min(cfg.sliding_window, ctx_len)
+    out = []
+    for i in cache_owners(cfg):
+        slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"
+        lead = (1, folded_rows(cfg, cfg.kv_heads[i])) if folded else (rows, cfg.kv_heads[i])
+        shape = (*lead, slots, cfg.head_dims[i])
+        out += [Tensor(f"past_{kind}.{i}", shape, "float32") for kind in ("key", "value")]
+    return tuple(out)
+
+
+def model_weights(cfg, tensor_shapes):
+    """(checkpoint prefix, weight names in call order: the decoder's, then lm_head if the
+    checkpoint has its own), after checking every shape against `ref`."""
+    prefix = text_prefix(tensor_shapes)
+    if prefix is None:
+        raise GraphError(f"no text decoder: missing tensor '{TEXT}embed_tokens.weight'")
+    expected = {prefix + n[len(TEXT) :]: s for n, s in text_param_shapes(cfg).items()}
+    if LM_HEAD in tensor_shapes:
+        expected[LM_HEAD] = (cfg.vocab_size, cfg.hidden_size)
+    check_shapes(tensor_shapes, expected, "checkpoint")
+    names = sorted(n for n in expected if n != LM_HEAD)
+    return prefix, tuple(names) + ((LM_HEAD,) if LM_HEAD in expected else ())
+
+
+def gathered(prefix, names):
+    """The tables `ref` only gathers rows of: per-layer embeddings, and the token embeddings
+    when the checkpoint has its own lm_head (else they are the logits' weights too)."""
+    tables = [prefix + "embed_tokens_per_layer.weight"]
+    if LM_HEAD in names:
+        tables.append(prefix + "embed_tokens.weight")
+    return tuple(n for n in tables if n in names)
