@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from codegen.run.runtime import RunError
+from codegen.run.errors import RunError
 from ref.gemma4.images import VIDEO_FRAMES, sample_frames
 from ref.gemma4.multimodal import SampledVideo
 

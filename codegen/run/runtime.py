@@ -16,39 +16,25 @@ slot's old positions never keep a batch on a longer one (QEfficient's runner tak
 Nothing but the folder is needed: manifest.json, the graphs, config.json and the hard-linked
 shards. Chunks never split an image run (its first tokens attend to its last ones), so a run
 longer than the compiled `seq_len` is refused, naming the `seq_len` it needs.
+
+`Runner` opens the graphs and makes their calls: prefill chunks, decode steps, each step's
+compute context length; the vision graph's calls are `codegen.run.vision`'s, continuous
+batching's slot bookkeeping `codegen.run.slots`'.
 """
 
-import dataclasses
+import functools
 import os
 
 import numpy as np
 
 from codegen.folder.sessions import open_session, read_manifest
+from codegen.run.errors import RunError
+from codegen.run.slots import Request, serve, slot_column
+from codegen.run.vision import Vision
 from ref.gemma4 import decoding
-from ref.gemma4.config import VisionConfig
-from ref.gemma4.packing import pack, pack_patches
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.text_config import TextConfig
 from weights import generation_config, open_checkpoint
-
-
-class RunError(ValueError):
-    """The prompts, images or folder cannot be run with these graphs."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
-    order, how many tokens to generate at most, the step at which it arrives, its sampling
-    (None: greedy; else a `ref.gemma4.decoding.Sampling`) and the row whose generator its
-    draws use (0: as a run of it alone; `generate` gives row i its own)."""
-
-    ids: np.ndarray
-    images: list
-    max_new_tokens: int
-    arrival: int = 0
-    sampling: decoding.Sampling | None = None
-    row: int = 0
 
 
 def ccl_for(ccls, position_ids):
@@ -62,15 +48,12 @@ def ccl_for(ccls, position_ids):
     return above[0]
 
 
-def _slot_column(slots, rows):
-    """[rows, 1] int32 batch_index: the given slots, −1 for the rows past them."""
-    column = np.full((rows, 1), -1, np.int32)
-    column[: len(slots), 0] = slots
-    return column
-
-
 class Runner:
-    """The export folder's vision, prefill and decode graphs as onnxruntime sessions."""
+    """The export folder's vision, prefill and decode graphs as onnxruntime sessions, and their
+    calls: `generate` (a batch of prompts), `serve` (requests through continuous batching's
+    slots, `codegen.run.slots`), and the steps both are made of: `prefill` (chunk by chunk, the
+    images through `codegen.run.vision`), `decode` (one token per row), each call fed its
+    compute context length (`_run`)."""
 
     def __init__(self, folder, *, check_shards=True, decode_folder=None):
         """folder: an export with prefill and decode graphs, or a `--prefill-only` export
@@ -137,7 +120,7 @@ class Runner:
         log = log or (lambda msg: None)
         emit = emit or (lambda row, token: None)
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
-        self._check(rows, max_new_tokens)
+        self.check(rows, max_new_tokens)
         if self.slots is not None:
             it = iter(images)
             requests = [
@@ -156,17 +139,17 @@ class Runner:
                 [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
             )
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
-        caches = self._empty_caches("prefill")
-        caches, logits = self._prefill(rows, list(images), caches, None, log)
+        caches = self.empty_caches("prefill")
+        caches, logits = self.prefill(rows, list(images), caches, None, log)
         tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
         position = np.array([len(r) for r in rows], np.int32)
         for n in range(1, max_new_tokens):
             if stopper.done:
                 break
-            caches, logits = self._decode(caches, tokens[-1], position, None)
+            caches, logits = self.decode(caches, tokens[-1], position, None)
             tokens.append(self._emit(stopper, decoding.choose(logits, sampling, n), emit))
             position = position + 1
-            log(f"decode step {n + 1}/{max_new_tokens}{self._ccl_note('decode')}")
+            log(f"decode step {n + 1}/{max_new_tokens}{self.ccl_note('decode')}")
         return np.stack(tokens, axis=1)
 
     @staticmethod
@@ -186,71 +169,19 @@ class Runner:
         stop: stop ids (None: the export's, () never stops); emit: called with (request,
         token) as each token arrives.
         → (tokens per request, timeline: one line per step)."""
-        log = log or (lambda msg: None)
-        emit = emit or (lambda request, token: None)
-        stop = set(self.stop if stop is None else stop)
-        if self.slots is None:
-            raise RunError(f"{self.folder}: serving needs an export with --full-batch-size")
-        for i, r in enumerate(requests):
-            self._check([r.ids], r.max_new_tokens, what=f"request {i}")
-        caches = self._empty_caches("decode")
-        waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
-        position, last = {}, np.zeros(self.slots, np.int32)
-        t = 0
-        while waiting or slot_of:
-            events = []
-            ready = [r for r in waiting if requests[r].arrival <= t]
-            free = [s for s in range(self.slots) if s not in slot_of.values()]
-            joining = ready[: len(free)]
-            for k in range(0, len(joining), self.batch):
-                group = joining[k : k + self.batch]
-                slots = free[k : k + len(group)]
-                rows = [requests[r].ids for r in group]
-                images = [img for r in group for img in requests[r].images]
-                caches, logits = self._prefill(rows, images, caches, slots, log)
-                for r, s, row_logits in zip(group, slots, logits, strict=True):
-                    waiting.remove(r)
-                    token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
-                    slot_of[r], last[s], tokens[r] = s, token, [token]
-                    position[r] = len(requests[r].ids)
-                    emit(r, token)
-                    events.append(f"request {r} joins slot {s}")
-            decoding_now = [r for r in slot_of if not self._finished(requests[r], tokens[r], stop)]
-            if decoding_now:
-                pos = np.full(self.slots, -1, np.int32)
-                for r in decoding_now:
-                    pos[slot_of[r]] = position[r]
-                    position[r] += 1
-                caches, logits = self._decode(caches, last, pos, np.arange(self.slots))
-                for r in decoding_now:
-                    s = slot_of[r]
-                    n, row = len(tokens[r]), requests[r].row
-                    last[s] = decoding.draw(logits[s], requests[r].sampling, row, n)
-                    tokens[r].append(int(last[s]))
-                    emit(r, int(last[s]))
-                slots_now = sorted(slot_of[r] for r in decoding_now)
-                events.append(f"decode slots {slots_now}{self._ccl_note('decode')}")
-            for r in [r for r in slot_of if self._finished(requests[r], tokens[r], stop)]:
-                why = f"stop id {tokens[r][-1]}" if tokens[r][-1] in stop else "max_new_tokens"
-                events.append(f"request {r} leaves slot {slot_of.pop(r)} at {why}")
-            timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
-            log(timeline[-1])
-            t += 1
-        return [np.array(tokens[r]) for r in range(len(requests))], timeline
+        return serve(self, requests, log=log, stop=stop, emit=emit)
 
-    @staticmethod
-    def _finished(request, tokens, stop):
-        return len(tokens) == request.max_new_tokens or tokens[-1] in stop
-
-    def _prefill(self, rows, images, caches, slots, log):
-        """Chunked prefill of rows (≤ batch_size) into their cache rows, or into `slots` with
-        continuous batching → (caches, [rows, V] logits of each row's last prompt token).
+    def prefill(self, rows, images, caches, slots, log):
+        """Chunked prefill of rows (≤ batch_size token-id arrays [L_i]) into their cache rows,
+        or into `slots` (a slot per row) with continuous batching → (caches, [rows, V] logits
+        of each row's last prompt token). images: (patches, (h, w)) per image run of the rows,
+        in order; caches: {name: array} as `empty_caches` gives them.
 
         Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
         prompt may hold more soft tokens (a video's frames) than any exported vision budget:
         only a chunk's must fit one."""
         runs = [image_runs(r, *self.text.vision_token_ids) for r in rows]
-        streams = self._vision(rows, runs, images, log)
+        streams = self._vision().streams(runs, images, log)
         for i, row_runs in enumerate(runs):
             for start, n in row_runs:
                 if n > self.seq_len:
@@ -273,13 +204,13 @@ class Runner:
                 feed.update(self._window(streams, offsets, counts))
                 offsets += counts
             if slots is not None:
-                feed["batch_index"] = _slot_column(slots, self.batch)
+                feed["batch_index"] = slot_column(slots, self.batch)
             out = self._run("prefill", feed)
             caches = self._retained(out, caches)
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
-            log(f"prefill chunk {k + 1}/{chunks}{self._ccl_note('prefill')}")
+            log(f"prefill chunk {k + 1}/{chunks}{self.ccl_note('prefill')}")
         return caches, np.stack(last)
 
     def _window(self, streams, offsets, counts):
@@ -292,9 +223,9 @@ class Runner:
             out[i, : counts[i]] = stream[offsets[i] : offsets[i] + counts[i]]
         return {"vision_embeds": out, "image_idx": np.zeros((self.batch, 1), np.int32)}
 
-    def _decode(self, caches, token, position, slots):
-        """One decode step of every row (position −1: a free row) → (caches, [len(token), V]
-        logits)."""
+    def decode(self, caches, token, position, slots):
+        """One decode step: token [n] ids at position [n] (−1: a free row), in rows 0..n−1 of the
+        cache, or with `slots` ([n] slot per row) in those slots → (caches, [n, V] logits)."""
         n = len(token)
         rows = self.batch if self.slots is None else self.slots
         ids = np.zeros((rows, 1), np.int32)
@@ -302,11 +233,15 @@ class Runner:
         ids[:n, 0], pos[:n, 0] = token, position
         feed = {"input_ids": ids, "position_ids": pos, **caches}
         if slots is not None:
-            feed["batch_index"] = _slot_column(slots, rows)
+            feed["batch_index"] = slot_column(slots, rows)
         out = self._run("decode", feed)
         return self._retained(out, caches), out["logits"][:n, 0]
 
-    def _check(self, rows, max_new_tokens, what="row"):
+    def check(self, rows, max_new_tokens, what="row"):
+        """Refuse (RunError) rows (token-id arrays [L]) the graphs cannot take: more than
+        batch_size of them (full_batch_size with slots), an empty one, an id outside the
+        vocabulary, or prompt and max_new_tokens past ctx_len; `what` names a row ("row": by
+        its index)."""
         most = self.batch if self.slots is None else self.slots
         if not 1 <= len(rows) <= most:
             raise RunError(f"{len(rows)} prompts: the graphs take 1 to batch_size={most}")
@@ -328,92 +263,33 @@ class Runner:
                     f"ctx_len={self.ctx_len}"
                 )
 
-    def _vision(self, rows, runs, images, log):
-        """Each row's soft tokens in order of appearance, [tokens, hidden] per row (None when
-        the prefill graph takes no vision inputs)."""
-        want = sum(len(r) for r in runs)
-        if len(images) != want:
-            raise RunError(f"{len(images)} images given, the prompts hold {want} image runs")
-        prefill_inputs = {t.name for t in self.entries["prefill"].inputs}
-        if "vision_embeds" not in prefill_inputs:
-            if want:
-                raise RunError("the prompts hold image runs but the prefill graph takes no images")
-            return None
-        it = iter(images)
-        streams = []
-        for i, row_runs in enumerate(runs):
-            items = [next(it) for _ in row_runs]
-            streams.append(self._encode_row(i, row_runs, items))
-            if items:
-                log(f"vision row {i}: {len(items)} item(s), {len(streams[-1])} soft tokens")
-        return streams
-
-    def _encode_row(self, row, row_runs, items):
-        """One row's items through the vision graph, consecutive items packed together while
-        they fit the largest budget, each call at the least budget that holds it → [tokens,
-        hidden]."""
-        most = self.budgets[-1]
-        groups = []
-        for run, item in zip(row_runs, items, strict=True):
-            if run[1] > most:
-                raise RunError(
-                    f"row {row}: the image run at {run[0]} has {run[1]} tokens; the largest "
-                    f"vision budget exported is {most}"
-                )
-            if not groups or sum(n for _, n in groups[-1][0]) + run[1] > most:
-                groups.append(([], []))
-            groups[-1][0].append(run)
-            groups[-1][1].append(item)
-        parts = [np.zeros((0, self.text.hidden_size), np.float32)]
-        for group_runs, group_items in groups:
-            total = sum(n for _, n in group_runs)
-            budget = next(b for b in self.budgets if b >= total)
-            parts.append(self._encode(row, group_runs, group_items, budget)[:total])
-        return np.concatenate(parts)
-
-    def _encode(self, row, row_runs, row_images, budget):
-        """The vision graph on one row's images packed into `budget` soft tokens."""
-        if "vision" not in self.sessions:
-            raise RunError("images given but the export has no vision graph")
-        cfg = VisionConfig.from_hf(self.checkpoint.config)
-        k = cfg.pooling_kernel_size
-        grids = []
-        for (start, n), (_, grid) in zip(row_runs, row_images, strict=True):
-            h, w = (int(x) for x in grid)
-            if h % k or w % k or (h // k) * (w // k) != n:
-                raise RunError(
-                    f"row {row}: the image run at {start} has {n} tokens but grid {h}x{w} "
-                    f"pools to {(h // k) * (w // k)} (h and w must be multiples of {k})"
-                )
-            grids.append((h, w))
-        packing = pack(
-            grids,
-            pooling_kernel_size=k,
-            position_embedding_size=cfg.position_embedding_size,
-            budget=budget,
+    def _vision(self):
+        """The vision graph's calls over the sessions as they are now (`Vision`)."""
+        return Vision(
+            self.checkpoint.config,
+            self.budgets,
+            self.text.hidden_size,
+            takes_images="vision_embeds" in {t.name for t in self.entries["prefill"].inputs},
+            run=functools.partial(self._run, "vision") if "vision" in self.sessions else None,
         )
-        patches = pack_patches([p for p, _ in row_images], grids, cfg.patch_dim, packing)
-        feed = {
-            "pixel_patches": patches,
-            "positions": packing.positions,
-            "segment_ids": packing.segment_ids,
-            "pool_index": packing.pool_index,
-        }
-        return next(iter(self._run("vision", feed).values()))
 
-    def _empty_caches(self, kind):
+    def empty_caches(self, kind):
+        """The cache `kind`'s graph starts from: {retained input: zeros of its shape}."""
         entry = self.entries[kind]
         retained = {pair[0] for pair in entry.retained_state}
         shapes = entry.shapes(entry.specializations[0]["name"])
         return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
 
-    def _ccl_note(self, kind):
+    def ccl_note(self, kind):
         """ ", comp_ctx_lengths K" of the last call of `kind` when it took one, else ""."""
         if not self.ccls.get(kind):
             return ""
         return f", comp_ctx_lengths {next(k for g, k in reversed(self.ccl_steps) if g == kind)}"
 
     def _run(self, kind, feed):
+        """One call of `kind`'s graph → {output name: array}; a graph with compute context
+        lengths is also fed `comp_ctx_lengths` [K], K = `ccl_for` its positions (recorded in
+        `ccl_steps`)."""
         if self.ccls.get(kind):
             k = ccl_for(self.ccls[kind], feed["position_ids"])
             feed = {**feed, "comp_ctx_lengths": np.zeros(k, np.int64)}
@@ -424,4 +300,5 @@ class Runner:
 
     @staticmethod
     def _retained(out, caches):
+        """The next cache: each cache input's `*_RetainedState` output."""
         return {n: out[n + "_RetainedState"] for n in caches}

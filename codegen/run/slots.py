@@ -1,0 +1,97 @@
+"""Continuous batching (an export with --full-batch-size): the requests, the `batch_index`
+column that points a step's rows at cache slots, and `serve`, the loop that moves requests
+through the slots — each joins a free slot at its arrival step (prefilled in groups of
+batch_size), every occupied slot decodes together, each leaves at a stop id or its
+max_new_tokens and frees its slot for a waiting request at the next step."""
+
+import dataclasses
+
+import numpy as np
+
+from codegen.run.errors import RunError
+from ref.gemma4 import decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
+    order, how many tokens to generate at most, the step at which it arrives, its sampling
+    (None: greedy; else a `ref.gemma4.decoding.Sampling`) and the row whose generator its
+    draws use (0: as a run of it alone; `generate` gives row i its own)."""
+
+    ids: np.ndarray
+    images: list
+    max_new_tokens: int
+    arrival: int = 0
+    sampling: decoding.Sampling | None = None
+    row: int = 0
+
+
+def slot_column(slots, rows):
+    """[rows, 1] int32 batch_index: the given slots, −1 for the rows past them."""
+    column = np.full((rows, 1), -1, np.int32)
+    column[: len(slots), 0] = slots
+    return column
+
+
+def serve(runner, requests, *, log=None, stop=None, emit=None):
+    """Continuous batching of `requests` over `runner`'s slots (see `Runner.serve`), through its
+    steps: `check`, `empty_caches`, `prefill` (rows into the given slots → [rows, V] logits),
+    `decode` (every slot, position −1 where free → [slots, V] logits) and `ccl_note`.
+    → (tokens per request, timeline: one line per step)."""
+    log = log or (lambda msg: None)
+    emit = emit or (lambda request, token: None)
+    stop = set(runner.stop if stop is None else stop)
+    if runner.slots is None:
+        raise RunError(f"{runner.folder}: serving needs an export with --full-batch-size")
+    for i, r in enumerate(requests):
+        runner.check([r.ids], r.max_new_tokens, what=f"request {i}")
+    caches = runner.empty_caches("decode")
+    waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
+    position, last = {}, np.zeros(runner.slots, np.int32)
+    t = 0
+    while waiting or slot_of:
+        events = []
+        ready = [r for r in waiting if requests[r].arrival <= t]
+        free = [s for s in range(runner.slots) if s not in slot_of.values()]
+        joining = ready[: len(free)]
+        for k in range(0, len(joining), runner.batch):
+            group = joining[k : k + runner.batch]
+            slots = free[k : k + len(group)]
+            rows = [requests[r].ids for r in group]
+            images = [img for r in group for img in requests[r].images]
+            caches, logits = runner.prefill(rows, images, caches, slots, log)
+            for r, s, row_logits in zip(group, slots, logits, strict=True):
+                waiting.remove(r)
+                token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
+                slot_of[r], last[s], tokens[r] = s, token, [token]
+                position[r] = len(requests[r].ids)
+                emit(r, token)
+                events.append(f"request {r} joins slot {s}")
+        decoding_now = [r for r in slot_of if not _finished(requests[r], tokens[r], stop)]
+        if decoding_now:
+            pos = np.full(runner.slots, -1, np.int32)
+            for r in decoding_now:
+                pos[slot_of[r]] = position[r]
+                position[r] += 1
+            caches, logits = runner.decode(caches, last, pos, np.arange(runner.slots))
+            for r in decoding_now:
+                s = slot_of[r]
+                n, row = len(tokens[r]), requests[r].row
+                last[s] = decoding.draw(logits[s], requests[r].sampling, row, n)
+                tokens[r].append(int(last[s]))
+                emit(r, int(last[s]))
+            slots_now = sorted(slot_of[r] for r in decoding_now)
+            events.append(f"decode slots {slots_now}{runner.ccl_note('decode')}")
+        for r in [r for r in slot_of if _finished(requests[r], tokens[r], stop)]:
+            why = f"stop id {tokens[r][-1]}" if tokens[r][-1] in stop else "max_new_tokens"
+            events.append(f"request {r} leaves slot {slot_of.pop(r)} at {why}")
+        timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
+        log(timeline[-1])
+        t += 1
+    return [np.array(tokens[r]) for r in range(len(requests))], timeline
+
+
+def _finished(request, tokens, stop):
+    """Whether a request is done: its max_new_tokens emitted, or its last token a stop id."""
+    return len(tokens) == request.max_new_tokens or tokens[-1] in stop
