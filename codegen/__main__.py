@@ -33,6 +33,7 @@ def _run_kit(args):
 
 
 def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, specs=None):
+    """onnxruntime against ref on the folder's graphs: the table, exit code 1 on a mismatch."""
     from codegen.check.verify import table, verify
 
     if not check_shards:
@@ -53,6 +54,8 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, sp
 
 
 def _run_precision(args):
+    """`verify --precision`: the device-precision table (exit code 1 on a non-finite tensor),
+    or with --write-npi the node-precision plans."""
     from codegen.check.precision import precision_table, verify_precision
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -76,6 +79,8 @@ def _run_precision(args):
 
 
 def _run_drift(args):
+    """`drift`: greedy tokens of float32 ref against the device precision, or with --plans the
+    export's graphs under each node-precision plan."""
     from codegen.check.drift import drift, drift_table
     from ref.gemma4.model import Gemma4
 
@@ -103,51 +108,66 @@ def _run_drift(args):
     return 0
 
 
-def main(argv=None):
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad option already reported in one line
-        return e.code
-    if args.command in ("vectors", "plan"):
-        return _run_kit(args)
-    try:
-        if args.command == "verify" and args.precision is not None:
-            return _run_precision(args)
-        if args.command == "verify":
-            return _run_verify(
-                args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs,
-                args.specializations,
-            )  # fmt: skip
-        if args.command == "drift":
-            return _run_drift(args)
-        if args.command == "run":
-            from codegen.run.commands import main as run_main
+def _run_check(args):
+    """`verify`: with --precision the device-precision run, else onnxruntime against ref."""
+    if args.precision is not None:
+        return _run_precision(args)
+    return _run_verify(
+        args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs,
+        args.specializations,
+    )  # fmt: skip
 
-            return run_main(args)
-        if args.command == "serve":
-            from codegen.run.commands import serve_main
 
-            return serve_main(args)
-        # the exporter (jax2onnx) is imported only to export: run and serve read the folder
-        from codegen.export.command import ExportOptions, export, summary
+def _run_generation(args):
+    """`run` or `serve` (`codegen.run`, which reads the folder without the exporter)."""
+    from codegen.run.commands import main as run_main
+    from codegen.run.commands import serve_main
 
-        blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
-        # options left out are None here and take ExportOptions' defaults: their one home
-        fields = {
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("command", "blocking") and v is not None
-        }
-        opts = ExportOptions(blocking=blocking, **fields)
-        manifest, seconds = export(opts)
-    except ValueError as e:  # CheckpointError, GraphError, ExportError, ...: bad input
-        print(f"python -m codegen: error: {e}", file=sys.stderr)
-        return 2
+    return (serve_main if args.command == "serve" else run_main)(args)
+
+
+def _run_export(args):
+    """`export`: write the folder, print its summary, then verify it unless --no-verify."""
+    # the exporter (jax2onnx) is imported only to export: run and serve read the folder
+    from codegen.export.command import ExportOptions, export, summary
+
+    blocking = tuple(x for group in (args.blocking or [blocking_modes("all")]) for x in group)
+    # options left out are None here and take ExportOptions' defaults: their one home
+    fields = {
+        k: v for k, v in vars(args).items() if k not in ("command", "blocking") and v is not None
+    }
+    opts = ExportOptions(blocking=blocking, **fields)
+    manifest, seconds = export(opts)
     print(summary(manifest))
     print(f"wrote {opts.out} in {seconds:.1f} s")
     if opts.verify:
         return _run_verify(opts.out, 0)
     return 0
+
+
+_COMMANDS = {
+    "export": _run_export,
+    "run": _run_generation,
+    "serve": _run_generation,
+    "verify": _run_check,
+    "drift": _run_drift,
+    "vectors": _run_kit,
+    "plan": _run_kit,
+}
+
+
+def main(argv=None):
+    """Parse `argv` and run its command; a bad input (ValueError) is one line on stderr and exit
+    code 2."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad option already reported in one line
+        return e.code
+    try:
+        return _COMMANDS[args.command](args)
+    except ValueError as e:  # CheckpointError, GraphError, ExportError, ...: bad input
+        print(f"python -m codegen: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

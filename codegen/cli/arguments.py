@@ -1,13 +1,12 @@
 """The command line's value readers: each turns one argument's text into its value, or raises
-`argparse.ArgumentTypeError` naming the text and what was expected
-(`codegen.cli.parser` uses them)."""
+`argparse.ArgumentTypeError` naming the text and what was expected (the commands' argument
+modules, `codegen.cli.*_args`, use them)."""
 
 import argparse
 
 from ref import moe_modes
 from ref.blocking import DENSE_NAMES
 from ref.blocking import names as blocking_names
-from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 
 
 def int_list(text):
@@ -93,69 +92,3 @@ def graph_kinds(text):
     if not kinds or set(kinds) - {"model", "attention"}:
         raise argparse.ArgumentTypeError(f"{text!r}: expected model, attention or model,attention")
     return kinds
-
-
-def add_video_arguments(parser):
-    """run's video options: --video (repeatable), --video-fps, --video-frames,
-    --video-soft-tokens."""
-    parser.add_argument(
-        "--video",
-        action="append",
-        default=[],
-        metavar="DIR|FILE",
-        help="a video: a folder of frame images (in name order), an animated GIF/WebP/PNG or "
-        "a video file (MP4, MKV, ...: needs PyAV, the 'video' extra), one <|video|> "
-        "placeholder each in --prompt (repeatable, in order); only the kept frames are read",
-    )
-    parser.add_argument(
-        "--video-fps",
-        type=float,
-        action="append",
-        default=[],
-        metavar="FPS",
-        help="each --video's frame rate, in order (default: an animation's own; a folder's "
-        "is unknown and its timestamps use 24, as Gemma4Processor does)",
-    )
-    parser.add_argument(
-        "--video-frames",
-        type=int,
-        default=VIDEO_FRAMES,
-        help=f"frames kept per video ({VIDEO_FRAMES}, Gemma 4's video processor's)",
-    )
-    parser.add_argument(
-        "--video-soft-tokens",
-        type=int,
-        default=VIDEO_SOFT_TOKENS,
-        help=f"soft tokens per frame ({VIDEO_SOFT_TOKENS}); an exported budget must hold them",
-    )
-
-
-def add_generation_arguments(parser):
-    """run's and serve's options of how generation stops and samples: --eos-id, --ignore-eos,
-    --sample, --temperature, --top-k, --top-p, --seed."""
-    parser.add_argument(
-        "--eos-id",
-        type=token_ids,
-        metavar="ID,ID,...",
-        help="stop ids (default: the checkpoint's generation_config.json eos_token_id, else its "
-        "config.json's); a row stops at its first one, which is kept",
-    )
-    parser.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="never stop before --max-new-tokens (benchmarks)",
-    )
-    parser.add_argument(
-        "--sample",
-        action="store_true",
-        help="sample instead of greedy decoding, with generation_config.json's temperature, "
-        "top_k and top_p unless given (transformers' 1.0, 50, 1.0 where it names none)",
-    )
-    parser.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
-    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0: all)")
-    parser.add_argument(
-        "--top-p", type=float, help="sample from the least set of tokens holding this mass"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="sampling seed (0); the same seed, the same tokens"
-    )
