@@ -1,5 +1,5 @@
 """The export's default option values, in one home: `codegen.export.command.ExportOptions`
-takes them as its field defaults and `codegen.cli.parser` quotes them in `--help` (the command
+takes them as its field defaults and `codegen.cli.export_args` quotes them in `--help` (the command
 line leaves an option it is not given to ExportOptions); and ExportError, what a bad option
 raises. No imports: the command line reads it cheaply."""
 
