@@ -44,9 +44,9 @@ def test_scatter_writes_valid_slots_and_nothing_else(b, t, s, seed):
             if 0 <= slot < t:
                 want[row, :, slot] = new[row, :, i]
                 want_pos[row, slot] = 100 + i
-    assert (np.asarray(cache.scatter(old, new, slots)) == want).all()
-    got_pos = cache.scatter_positions(
-        np.full((b, t), -1), 100 + np.arange(s)[None].repeat(b, 0), slots
+    assert (np.asarray(jitted(cache.scatter, old, new, slots)) == want).all()
+    got_pos = jitted(
+        cache.scatter_positions, np.full((b, t), -1), 100 + np.arange(s)[None].repeat(b, 0), slots
     )
     assert (np.asarray(got_pos) == want_pos).all()
 
@@ -72,9 +72,9 @@ def test_scatter_into_rows_writes_valid_pairs_only(b, f, s, seed):
                     want[rows[i], :, slots[i, j]] = new[i, :, j]
         return want
 
-    got = np.asarray(cache.scatter(old, new, slots, rows))
+    got = np.asarray(jitted(cache.scatter, old, new, slots, rows))
     assert got.dtype == old.dtype and (got == loop(old, new)).all()
-    k, v = cache.update(old, old + 1, new, new - 1, slots, rows)
+    k, v = jitted(cache.update, old, old + 1, new, new - 1, slots, rows)
     assert (np.asarray(k) == loop(old, new)).all()
     assert (np.asarray(v) == loop(old + 1, new - 1)).all()
     with pytest.raises(ValueError, match=r"rows \[B\]"):
@@ -95,6 +95,16 @@ def test_fold_and_errors():
         cache.rolling_slots(np.zeros((1, 2), int), 0)
 
 
+def _prefill_chunk(ck, cv, q, k, v, pos, *, chunk_blocks):
+    """One chunk of chunked prefill, compiled as one program (`tests.util.jitted`): write its
+    K/V into the linear cache, attend over the slots ≤ its last position → (ck, cv, out)."""
+    ck, cv = cache.update(ck, cv, k, v, pos)
+    kv_pos = cache.causal_positions(pos, ck.shape[2])
+    out = blocked(q, ck, cv, pos, kv_pos, mode="prefill_online",
+                  prefill_block_chunks=chunk_blocks, num_kv_blocks=2, skip_kv=True)  # fmt: skip
+    return ck, cv, out
+
+
 @settings(max_examples=examples(5))
 @given(st.integers(2, 12), st.integers(0, 2**32 - 1))
 def test_chunked_prefill_through_the_cache_equals_one_shot(n, seed):
@@ -112,26 +122,25 @@ def test_chunked_prefill_through_the_cache_equals_one_shot(n, seed):
     outs, start = [], 0
     for size in chunks(rng, n):
         part = slice(start, start + size)
-        ck, cv = cache.update(ck, cv, k[:, :, part], v[:, :, part], pos[:, part])
-        kv_pos = cache.causal_positions(pos[:, part], t)
         chunk_blocks = int(rng.integers(1, size + 1))
-        outs.append(
-            jitted(
-                blocked,
-                q[:, :, part],
-                ck,
-                cv,
-                pos[:, part],
-                kv_pos,
-                mode="prefill_online",
-                prefill_block_chunks=chunk_blocks,
-                num_kv_blocks=2,
-                skip_kv=True,
-            )
-        )
+        ck, cv, out = jitted(
+            _prefill_chunk, ck, cv, *(x[:, :, part] for x in (q, k, v)), pos[:, part],
+            chunk_blocks=chunk_blocks,
+        )  # fmt: skip
+        outs.append(out)
         start += size
     got = np.concatenate(outs, axis=2)
     assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def _ring_chunk(ring_k, ring_v, ring_pos, q, k, v, pos, *, window):
+    """One chunk through a sliding-window ring, compiled as one program: attend over the ring
+    and the chunk's own keys, then write the ring → (ring_k, ring_v, ring_pos, out)."""
+    kk, vv, kv_pos = cache.window_keys(ring_k, ring_v, ring_pos, k, v, pos)
+    out = blocked(q, kk, vv, pos, kv_pos, mode="kv", num_kv_blocks=2, sliding_window=window)
+    slots = cache.rolling_slots(pos, window)
+    ring_k, ring_v = cache.update(ring_k, ring_v, k, v, slots)
+    return ring_k, ring_v, cache.scatter_positions(ring_pos, pos, slots), out
 
 
 @settings(max_examples=examples(5))
@@ -151,25 +160,11 @@ def test_sliding_window_ring_equals_one_shot(n, window, seed):
     outs, start = [], 0
     for size in chunks(rng, n):
         part = slice(start, start + size)
-        kk, vv, kv_pos = cache.window_keys(
-            ring_k, ring_v, ring_pos, k[:, :, part], v[:, :, part], pos[:, part]
-        )
-        outs.append(
-            jitted(
-                blocked,
-                q[:, :, part],
-                kk,
-                vv,
-                pos[:, part],
-                kv_pos,
-                mode="kv",
-                num_kv_blocks=2,
-                sliding_window=window,
-            )
-        )
-        slots = cache.rolling_slots(pos[:, part], window)
-        ring_k, ring_v = cache.update(ring_k, ring_v, k[:, :, part], v[:, :, part], slots)
-        ring_pos = cache.scatter_positions(ring_pos, pos[:, part], slots)
+        ring_k, ring_v, ring_pos, out = jitted(
+            _ring_chunk, ring_k, ring_v, ring_pos, *(x[:, :, part] for x in (q, k, v)),
+            pos[:, part], window=window,
+        )  # fmt: skip
+        outs.append(out)
         start += size
         held = np.sort(np.asarray(ring_pos)[0])
         assert list(held[held >= 0]) == list(range(max(0, start - window), start))
