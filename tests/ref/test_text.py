@@ -27,11 +27,15 @@ from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.rope import rope_inv_freq
 from tests.hf_vision import hf_padded_inputs, patches_for, tree_of
 from tests.text_oracle import IMAGE, hf_model, prompt, text_config
-from tests.util import examples
+from tests.util import examples, jitted
 
 TOL = 1e-4  # float32 relative, per the issue
 GRIDS = [(3, 3), (3, 6), (6, 6)]
 MAX_ROW = 24
+# image_idx in the dtype a step hands it back: an int32 index plus the count of a chunk's
+# placeholders (jnp.sum: the default int) comes back int64 with the tests' x64 on, so chunk
+# loops that started from int32 compiled their step twice (int32, then int64)
+IDX = jnp.int64
 
 
 @st.composite
@@ -250,6 +254,13 @@ def _pad_chunks(rows, cuts):
     return out
 
 
+@jax.jit
+def _runs_of_chunk(flags, pos, group):
+    """One chunk's run ids recorded into the group row (one compiled program: every chunk of
+    every example has the same [3, MAX_ROW] shape)."""
+    return scatter_positions(group, vision_runs(flags & (pos >= 0), pos, group), pos)
+
+
 @settings(max_examples=examples(40))
 @given(chunked_rows())
 def test_vision_runs_agree_with_transformers_across_chunks(data):
@@ -257,14 +268,16 @@ def test_vision_runs_agree_with_transformers_across_chunks(data):
     rows, cuts = data
     group = jnp.full((len(rows), MAX_ROW), -1, jnp.int32)
     for flags, pos in _pad_chunks(rows, cuts):
-        ids = vision_runs(jnp.asarray(flags) & (pos >= 0), jnp.asarray(pos), group)
-        group = scatter_positions(group, ids, jnp.asarray(pos))
+        group = _runs_of_chunk(jnp.asarray(flags), jnp.asarray(pos), group)
     for i, row in enumerate(rows):
         hf = get_block_sequence_ids_for_mask(torch.from_numpy(row.astype(np.int64))[None], "cpu")
         hf = hf[0].numpy()
         got = np.asarray(group[i, : len(row)])
         assert ((got >= 0) == (hf >= 0)).all()
         assert (np.equal.outer(got, got) == np.equal.outer(hf, hf)).all()
+
+
+_merge_vision = jax.jit(merge_vision)  # the same [3, MAX_ROW] shapes in every call
 
 
 @settings(max_examples=examples(40))
@@ -276,11 +289,11 @@ def test_image_index_runs_per_row_across_text_only_chunks(data, seed):
     vision = jnp.asarray(rng.standard_normal((len(rows), MAX_ROW, 4)))
     text = rng.standard_normal((len(rows), MAX_ROW, 4))
     merged = np.array(text)
-    image_idx = jnp.zeros((len(rows), 1), jnp.int32)
+    image_idx = jnp.zeros((len(rows), 1), IDX)
     seen = np.zeros(len(rows), int)
     for flags, pos in _pad_chunks(rows, cuts):
         emb = np.take_along_axis(text, np.maximum(pos, 0)[:, :, None], axis=1)
-        out, new_idx = merge_vision(jnp.asarray(emb), jnp.asarray(flags), vision, image_idx)
+        out, new_idx = _merge_vision(jnp.asarray(emb), jnp.asarray(flags), vision, image_idx)
         assert (np.asarray(new_idx) >= np.asarray(image_idx)).all()
         for i in range(len(rows)):
             valid = pos[i] >= 0
@@ -420,7 +433,7 @@ def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     def run(bounds, pad=0, ring=False):
         """pad: extra −1 columns per step, the chunk placed at a random offset among them."""
         cache = init_cache(config, 2, ctx, jnp.float64, ring=ring)
-        idx = jnp.zeros((2, 1), jnp.int32)
+        idx = jnp.zeros((2, 1), IDX)
         last = [None, None]
         seq = max(e - s for b in bounds for s, e in b) + pad
         for k in range(max(map(len, bounds))):
@@ -473,8 +486,9 @@ def test_default_block_options_fit_every_phase_shape(mode, prefill, batch, group
     kv_group = np.where((kv_pos >= 2) & (kv_pos < 6), 2, -1)
     args = dict(sliding_window=4, q_group=kv_group[:, 3 : 3 + seq], kv_group=kv_group, scale=1.0)
     attention = attention_for(mode, prefill=prefill, batch=batch, queries=seq, ctx_len=ctx)
-    got = attention(q, k, v, q_pos, kv_pos, **args)
-    np.testing.assert_allclose(got, reference(q, k, v, q_pos, kv_pos, **args), rtol=1e-12)
+    got = jitted(attention, q, k, v, q_pos, kv_pos, **args)
+    want = jitted(reference, q, k, v, q_pos, kv_pos, **args)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 def test_blocking_config_gives_its_own_options_to_its_phase():
@@ -484,7 +498,8 @@ def test_blocking_config_gives_its_own_options_to_its_phase():
     config = BlockingConfig(mode="prefill_kv", num_kv_blocks=3)
     for prefill in (True, False):  # every mode is exact in either phase
         attention = attention_for(config, prefill=prefill, batch=1, queries=5, ctx_len=5)
-        np.testing.assert_allclose(attention(q, k, v, pos, pos), reference(q, k, v, pos, pos))
+        got = jitted(attention, q, k, v, pos, pos)
+        np.testing.assert_allclose(got, jitted(reference, q, k, v, pos, pos))
 
 
 @settings(max_examples=examples(2))
@@ -504,7 +519,9 @@ def test_a_step_at_a_compute_context_length_equals_the_whole_cache_float64(
     lm, head = tree["model"]["language_model"], tree["lm_head"]["weight"]
     rng = np.random.default_rng(seed)
     ids = prompt(rng, 7, [1], 96)
-    ctx, ccls = 32, (len(ids) + 1, len(ids) + 3, 32)
+    # K = L + 1: the prefill's chunks and the first decode step (K − 1 = L reached exactly);
+    # K = ctx_len = 32: the rest (each K is a compiled step of its own)
+    ctx, ccls = 32, (len(ids) + 1, 32)
     empty = init_cache(config, 1, ctx, jnp.float64, ring=ring, slots_only=slots_only)
     noise = {n: {i: jnp.asarray(rng.standard_normal(x.shape)) for i, x in empty[n].items()}
              for n in ("k", "v")}  # fmt: skip
@@ -512,7 +529,7 @@ def test_a_step_at_a_compute_context_length_equals_the_whole_cache_float64(
     bounds = chunk_bounds(len(ids), image_runs(ids, IMAGE), 5)
 
     def run(cut):
-        cache, idx, logits = dict(empty, **noise), jnp.zeros((1, 1), jnp.int32), []
+        cache, idx, logits = dict(empty, **noise), jnp.zeros((1, 1), IDX), []
         steps = [chunk_arrays([ids], [bounds], k, 1, 5) for k in range(len(bounds))]
         steps += [(np.array([[9 + n]], np.int32), np.array([[len(ids) + n]], np.int32))
                   for n in range(5)]  # fmt: skip
