@@ -1,7 +1,7 @@
-"""Gemma 4 sharded over 8 CPU devices (meshes (8,), (2, 4), and (4, 2) made by `jax.make_mesh`,
-whose axes are explicit), loaded block by block from
-a checkpoint transformers wrote, for a tiny dense model (k_eq_v, PLE) and a tiny MoE model,
-each with a vision tower:
+"""Gemma 4 sharded over 8 CPU devices, loaded block by block from a checkpoint transformers
+wrote, for a tiny dense model (k_eq_v, PLE) and a tiny MoE model, each with a vision tower, each
+on a 1-d mesh (8,) and a 2-d one: the dense model's (2, 4) with auto axes (`jax.sharding.Mesh`),
+the MoE model's (4, 2) made by `jax.make_mesh`, whose axes are explicit:
 
 - greedy tokens equal transformers' and one device's;
 - the prefill logits, the soft tokens (encode and embed) and the KV cache equal one device's
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(
                   attention=reference, last_only=True)
         return tower, out
 
-    for moe in (False, True):
+    for moe, meshes in ((False, [(8,), (2, 4)]), (True, [(8,), (4, 2)])):
         hf = tiny(moe)
         folder = tempfile.mkdtemp()
         hf.save_pretrained(folder)
@@ -98,7 +98,7 @@ SCRIPT = textwrap.dedent(
         ctx_len = ids.shape[1] + NEW
         tower1, out1 = prefill(one, ids, patches, ctx_len)
         # auto axes (jax.sharding.Mesh) and explicit ones (jax.make_mesh's default), any names
-        for shape in [(8,), (2, 4), (4, 2)]:
+        for shape in meshes:
             if shape == (4, 2):
                 mesh = jax.make_mesh(shape, ("data", "model"))
                 assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}, mesh
