@@ -83,10 +83,11 @@ def gather(x, gate_up, down, weights, index):
     return jnp.sum(y, axis=1).astype(x.dtype)
 
 
-def per_core(w, num_nsp):
-    """[E, ...] → [num_nsp, E / num_nsp, ...]: expert s·num_nsp + c is core c's slot s
-    (QEfficient's `view(local_experts, num_nsp, …).transpose(0, 1)`)."""
-    return jnp.swapaxes(w.reshape(w.shape[0] // num_nsp, num_nsp, *w.shape[1:]), 0, 1)
+def slot_experts(w, slot, num_nsp):
+    """[E, ...] → [num_nsp, ...]: the experts in slot `slot` of every core, core c's being expert
+    slot·num_nsp + c (QEfficient's `view(local_experts, num_nsp, …).transpose(0, 1)`): a
+    contiguous slice, so a graph reads each expert's weights once, in its slot's step."""
+    return w[slot * num_nsp : (slot + 1) * num_nsp]
 
 
 def pack(routed):
@@ -118,23 +119,24 @@ def nsp(x, gate_up, down, weights, index, *, num_nsp, packed_chunk):
     e = gate_up.shape[0]
     MoeMode("nsp", num_nsp, packed_chunk).check(e, t)
     acc = _accumulator(x)
-    gu = per_core(jnp.swapaxes(gate_up, 1, 2).astype(x.dtype), num_nsp)  # [C, L, D, 2I]
-    dn = per_core(jnp.swapaxes(down, 1, 2).astype(x.dtype), num_nsp)  # [C, L, I, D]
     hot = _onehot(index, e, jnp.int32)  # [T, K, E]
     # routed from the picks, not from weight > 0 as QEfficient: per_expert_scale may be ≤ 0
-    routed = per_core(jnp.transpose(jnp.sum(hot, axis=1) > 0), num_nsp)  # [C, L, T]
-    rw = per_core(jnp.transpose(combine(weights, index, e)), num_nsp)  # [C, L, T]
+    routed = jnp.transpose(jnp.sum(hot, axis=1) > 0)  # [E, T]
+    rw = jnp.transpose(combine(weights, index, e))  # [E, T]
     out = jnp.zeros((num_nsp, t, d), acc)
     cores = lax.broadcasted_iota(jnp.int32, (num_nsp, packed_chunk), 0)
     rows = lax.broadcasted_iota(jnp.int32, (1, packed_chunk), 1)
     for slot in range(e // num_nsp):
-        order, count = pack(routed[:, slot])
+        gu = jnp.swapaxes(slot_experts(gate_up, slot, num_nsp), 1, 2).astype(x.dtype)  # [C, D, 2I]
+        dn = jnp.swapaxes(slot_experts(down, slot, num_nsp), 1, 2).astype(x.dtype)  # [C, I, D]
+        slot_weights = slot_experts(rw, slot, num_nsp)  # [C, T]
+        order, count = pack(slot_experts(routed, slot, num_nsp))
         for start in range(0, t, packed_chunk):
             tok = order[:, start : start + packed_chunk]  # [C, P]
-            h = jnp.matmul(x[tok], gu[:, slot])  # [C, P, 2I]
+            h = jnp.matmul(x[tok], gu)  # [C, P, 2I]
             gate, up = jnp.split(h, 2, axis=-1)
-            y = jnp.matmul(gelu_tanh(gate) * up, dn[:, slot]).astype(acc)  # [C, P, D]
-            w = jnp.take_along_axis(rw[:, slot], tok, axis=1)[:, :, None]  # [C, P, 1]
+            y = jnp.matmul(gelu_tanh(gate) * up, dn).astype(acc)  # [C, P, D]
+            w = jnp.take_along_axis(slot_weights, tok, axis=1)[:, :, None]  # [C, P, 1]
             prior = out[cores, tok]  # [C, P, D]
             # rows past the routed count hold unrouted tokens: they keep what they had
             keep = (start + rows < count)[:, :, None]

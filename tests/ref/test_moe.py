@@ -190,9 +190,9 @@ def test_an_expert_that_overflows_off_its_tokens_does_not_reach_them():
 def test_experts_sit_on_cores_as_qefficient_lays_them_out():
     """Expert s·num_nsp + c is core c's slot s (`view(E / num_nsp, num_nsp, …).transpose(0,
     1)`): any other layout gives the same answer, so only this test holds it."""
-    layout = np.asarray(moe.per_core(jnp.arange(12), 4))
-    assert layout.shape == (4, 3)
-    assert all(layout[c, s] == s * 4 + c for c in range(4) for s in range(3))
+    slots = [np.asarray(moe.slot_experts(jnp.arange(12), s, 4)) for s in range(3)]
+    assert all(layout.shape == (4,) for layout in slots)
+    assert all(slots[s][c] == s * 4 + c for c in range(4) for s in range(3))
 
 
 def test_pack_puts_routed_tokens_first_in_order():
