@@ -70,7 +70,7 @@ def merge_vision(embeds, is_image, vision_embeds, image_idx):
     index = jnp.clip(index, 0, vision_embeds.shape[1] - 1)
     soft = jnp.take_along_axis(vision_embeds, index[:, :, None], axis=1)
     merged = jnp.where(is_image[:, :, None], soft.astype(embeds.dtype), embeds)
-    return merged, image_idx + jnp.sum(count, axis=1, keepdims=True)
+    return merged, image_idx + jnp.sum(count, axis=1, keepdims=True, dtype=image_idx.dtype)
 
 
 def layer_mask_args(config, positions, groups, full, sliding):
