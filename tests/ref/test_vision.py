@@ -10,18 +10,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
 from ref.gemma4 import VisionTower, tower_forward
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.vision import QUERY_TILE
 from tests.hf_vision import (
     hf_encode,
+    hf_full_model,
     hf_padded_inputs,
-    hf_vision_config,
     hf_vision_model,
     patches_for,
-    randomize_,
     tree_of,
 )
 from tests.strategies import grids, vision_configs
@@ -47,23 +45,6 @@ def small_config(**overrides):
     return VisionConfig(**{**base, **overrides})
 
 
-def full_model(cfg, seed):
-    """A tiny randomized Gemma4ForConditionalGeneration around the vision config `cfg` (text
-    hidden 20): `tests.hf_vision.hf_full_model` with a per-layer-input table of the text
-    vocabulary's 64 rows instead of transformers' default 262,144 (0.6 s of every build; the
-    text model is never run here)."""
-    text = dict(hidden_size=20, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=8, vocab_size=64, vocab_size_per_layer_input=64,
-                layer_types=["full_attention"])  # fmt: skip
-    config = Gemma4Config(text_config=text, vision_config=hf_vision_config(cfg).to_dict())
-    config.vision_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(config).eval()
-    randomize_(model.model.vision_tower, seed)
-    randomize_(model.model.embed_vision, seed + 1)
-    return model
-
-
 @settings(max_examples=examples(12))
 @given(cfg=vision_configs(), grid_list=grids(), pad=st.integers(0, 2), seed=st.integers(0, 99))
 def test_matches_transformers_per_item_per_layer_and_embedded(cfg, grid_list, pad, seed):
@@ -72,7 +53,7 @@ def test_matches_transformers_per_item_per_layer_and_embedded(cfg, grid_list, pa
     against Gemma4Model.get_image_features, one compiled tower per example: the tower of a full
     checkpoint (`VisionTower.from_params`, its config read back from transformers')."""
     cfg = VisionConfig(**{**cfg.__dict__, "text_hidden_size": 20})  # embed_vision's width
-    model = full_model(cfg, seed)
+    model = hf_full_model(cfg, seed, text_hidden=20)
     patches = patches_for(grid_list, np.random.default_rng(seed), cfg.patch_dim)
     expected, hf_states = hf_encode(model.model.vision_tower, patches, grid_list, pad_tokens=pad)
     values, pos = hf_padded_inputs(patches, grid_list)
