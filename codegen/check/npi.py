@@ -28,6 +28,7 @@ from codegen.check.device_graph import (
 )
 from codegen.check.precision import sample_feeds
 from codegen.check.verify import opened, way
+from codegen.folder.sessions import atomic_text
 from codegen.graphs import drawn_feed
 from ref import numerics
 
@@ -103,10 +104,7 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
         keep, found, headroom = plan_graph(entry, spec, model, folder, precision, kv, seed, log)
         path = os.path.join(folder, spec.name + SUFFIX)
         if keep:
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(npi_yaml(keep))
-            os.replace(tmp, path)
+            atomic_text(path, npi_yaml(keep))
             read_npi(path, model)
         elif os.path.exists(path):
             os.remove(path)

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from codegen import graphs
 from codegen.export import qaic
-from codegen.export.graph_files import atomic_text, retained_layout, write_graph
+from codegen.export.graph_files import retained_layout, write_graph
 from codegen.export.options import EXPORT_DEFAULTS, ExportError
 from codegen.export.specs import graph_specs
 from codegen.folder import external, hashcache
 from codegen.folder.manifest import FORMAT, MANIFEST, Manifest, Shard
-from codegen.folder.sessions import publish
+from codegen.folder.sessions import atomic_text, publish
 from codegen.graphs import vision as vision_graph
 from codegen.lower.ops import OPSET
 from ref.blocking import VISION_TILES

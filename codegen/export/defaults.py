@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from codegen.folder.hashcache import cache_root
+from codegen.folder.sessions import atomic_text
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.params import EMBED_VISION, VISION, text_param_shapes, vision_param_shapes
 from ref.gemma4.text_config import TextConfig
@@ -235,7 +236,5 @@ def default_checkpoint(folder=None):
     default_tokenizer().save(str(tmp))
     os.replace(tmp, folder / "tokenizer.json")
     for name, text in side.items():
-        tmp = folder / f"{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, folder / name)
+        atomic_text(folder / name, text)
     return folder

@@ -10,6 +10,7 @@ from codegen.check import structure as checks
 from codegen.export import qaic
 from codegen.folder import external
 from codegen.folder.manifest import Graph, Tensor
+from codegen.folder.sessions import atomic_text
 from codegen.lower.clip import clip_fp16
 from codegen.lower.trace import trace
 
@@ -17,14 +18,6 @@ from codegen.lower.trace import trace
 def _function_names(model):
     """The names of the ONNX functions `model` holds, sorted."""
     return sorted({f.name for f in model.functions})
-
-
-def atomic_text(path, text):
-    """Write `text` (str or bytes) to `path` through a temporary sibling, replaced into place."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w" if isinstance(text, str) else "wb") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _io_entry(tensor, specializations):

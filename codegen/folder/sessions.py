@@ -123,3 +123,11 @@ def publish(tmp, out):
         if out.is_dir():
             out.rmdir()
         os.replace(tmp, out)
+
+
+def atomic_text(path, text):
+    """Write `text` (str or bytes) to `path` through a temporary sibling, replaced into place."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w" if isinstance(text, str) else "wb") as f:
+        f.write(text)
+    os.replace(tmp, path)
