@@ -4,29 +4,37 @@
 
 Two comparisons, as QEfficient compiles them: a decode step (`--decode-tokens`, 1: batch 1)
 dense vs gather, and a prefill chunk of `--tokens` (1,024) dense vs nsp (`--num-nsp` 16 cores,
-`--packed-chunk` 256 rows). The expert weights are initializers, as in the exported graphs
-(stored as ONNX external data beside the graph), so onnxruntime folds their transposes once
-when the session is made; the runs are fed x, the router's weights and index.
+`--packed-chunk` 256 rows), beside what one core of nsp runs: its E / num_nsp experts (slot s
+is expert s·num_nsp + core) over the same tokens, each token's picks renumbered to them (nsp
+with num_nsp 1; checked against numpy's float64 answer for those experts). The expert weights
+are initializers, as in the exported graphs (stored as ONNX external data beside the graph),
+so onnxruntime folds their transposes once when the session is made; the runs are fed x, the
+router's weights and index. Sessions are made with the runner's options (the graph's own
+order: onnxruntime's default order ran every chunk's MLP before the first scatter and held
+all their outputs, 3.97 GiB more for nsp's runs).
 
 Per case: the bytes of weights the matmuls read, their FLOPs, the ONNX graph's op set checked
 against `codegen.lower.ops`, the session's creation time and its resident size once made
 (the weights and whatever constants onnxruntime folded from them), the median onnxruntime time
-of `--runs` (after one warm-up), the runs' peak RSS and what they added to the session's
-resident size (the runs' own intermediates; each case runs in its own process), the largest
-intermediate read off the graph (onnx shape inference; a tensor whose producer's inputs are all
-initializers or constants counts as folded, not as an intermediate), and the largest
-difference from dense (the same inputs: every mode must give dense's answer). Routing: each
-token's top-k experts drawn uniformly. Prints markdown tables, then the prefill goal (nsp's
-largest intermediate and added memory at most a core's share of dense's) checked for the whole
-process and per core.
+of `--runs` (after one warm-up), a run's peak RSS and what it added to the session's resident
+size (the run's own intermediates, in a session without onnxruntime's arena; each case runs in
+its own process), the largest intermediate read off the graph (onnx shape inference; a tensor
+whose producer's inputs are all initializers or constants counts as folded, not as an
+intermediate), and the largest difference from dense (the same inputs: every mode must give
+dense's answer). Routing: each token's top-k experts drawn uniformly. Prints markdown tables,
+then the prefill goal (nsp's largest intermediate and added memory at most a core's share of
+dense's) checked for one core and for the whole process.
 
-Memory: onnxruntime's constant folding of nsp's weight layout (transpose, per-core reshape and
-transpose, per-slot slices) holds ~5.5× the weights while the session is made (3.85 GiB at 32
-experts, 7.88 GiB at 64, 2026-12-04), so the real layer's nsp case needs ~16 GiB free; dense's
-session peaks at ~1.7× the weights, and its prefill runs add ~2.7× (3.80 GiB at 64 experts).
+Decode: gather's `Gather` copies the picked experts (1/16 of the bytes) before its matmuls
+read them, so it moves ~3/16 of dense's bytes (read, write, read again): in onnxruntime it
+can be at most ~5.3× faster than dense at equal bandwidth; standard ONNX has no matmul over
+an indexed batch that would read them in place.
 
+Memory: onnxruntime's constant folding of nsp's weight layout (per-slot slices and their
+transposes) peaks at ~3× the weights while the session is made (8.85 GiB for the real
+layer); dense's session at ~1× (2.92 GiB).
     python benchmarks/moe.py                          # the real layer: ~3 GB of float32 weights
-    python benchmarks/moe.py --experts 64             # half the experts: nsp's session ~8 GiB
+    python benchmarks/moe.py --experts 64             # half the experts: nsp's session ~4.5 GiB
     python benchmarks/moe.py --experts 32 --tokens 256 --runs 1   # a quick look
     python benchmarks/moe.py --graphs-only            # op types, largest intermediates: 1 min
 """
@@ -74,14 +82,39 @@ def _spans(experts, hidden, inter):
     return spans
 
 
-def write_inputs(tokens, shape, folder):
-    """The inputs at `tokens` rows: gate_up and down as raw float32 in one external-data file,
-    the fed ones in an .npz → (the data file's name, {weight name: (offset, length)})."""
-    hidden, experts, inter, _ = shape
-    values = _inputs(tokens, *shape)
-    np.savez(folder / f"feed_{tokens}.npz", **{k: values[k] for k in FED})
-    name = f"weights_{tokens}.bin"
-    spans = _spans(experts, hidden, inter)
+def one_core(values, num_nsp, core=0):
+    """The inputs of what core `core` of num_nsp computes in nsp: its experts (slot s is expert
+    s·num_nsp + core: `ref.gemma4.moe.slot_experts`), and each token's picks renumbered to
+    them, -1 where a pick is another core's (no expert: not routed here) → the values of
+    `_inputs` for the one-core graph (nsp with num_nsp 1 over E / num_nsp experts)."""
+    index = values["index"]
+    mine = index % num_nsp == core
+    return {**values, "gate_up": values["gate_up"][core::num_nsp],
+            "down": values["down"][core::num_nsp],
+            "index": np.where(mine, index // num_nsp, -1).astype(np.int32)}  # fmt: skip
+
+
+def core_partial(values):
+    """numpy float64, sharing nothing with `ref`: the one-core inputs' answer, each token's
+    gated MLP (tanh GELU) over its picks among the core's experts, weighted → [T, H]."""
+    x, index, weights = values["x"].astype(np.float64), values["index"], values["weights"]
+    out = np.zeros_like(x)
+    for e, (gu, dn) in enumerate(zip(values["gate_up"], values["down"], strict=True)):
+        tokens, k = np.nonzero(index == e)
+        gate, up = np.split(x[tokens] @ gu.T.astype(np.float64), 2, axis=1)
+        act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+        out[tokens] += weights[tokens, k][:, None] * ((act * up) @ dn.T.astype(np.float64))
+    return out
+
+
+def write_inputs(values, tag, folder):
+    """`values` (`_inputs`) under `tag`: gate_up and down as raw float32 in one external-data
+    file, the fed ones in feed_TAG.npz → (the data file's name, {weight name: (offset,
+    length)})."""
+    experts, two_inter, hidden = values["gate_up"].shape
+    np.savez(folder / f"feed_{tag}.npz", **{k: values[k] for k in FED})
+    name = f"weights_{tag}.bin"
+    spans = _spans(experts, hidden, two_inter // 2)
     with open(folder / name, "wb") as f:
         for key in WEIGHTS:
             f.write(b"\0" * (spans[key][0] - f.tell()))
@@ -242,30 +275,44 @@ def _touch_mapped(folder):
 
 
 def run_case(args):
-    """In its own process: one graph's session and runs → JSON on stdout."""
+    """In its own process: one graph's session and runs → JSON on stdout. Two sessions, made
+    with the runner's options (`codegen.folder.sessions.options`): the first without
+    onnxruntime's memory arena for the memory figures (the process's peak then follows the
+    live tensors, not the freed blocks an arena keeps) and one run; then one with the arena,
+    as the runner makes them, for the timed runs (without it every run maps its large tensors
+    afresh: gather's decode step took 63 ms instead of ~18)."""
     import onnxruntime as ort
+
+    from codegen.folder.sessions import options as runner_options
 
     with np.load(args.feed) as f:
         feed = {k: f[k] for k in FED}
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+    def make(arena):
+        options = runner_options()
+        options.enable_cpu_mem_arena = arena
+        return ort.InferenceSession(args.case, options, providers=["CPUExecutionProvider"])
+
     bare = _status_kib("VmRSS")
     start = time.perf_counter()
-    session = ort.InferenceSession(args.case, options, providers=["CPUExecutionProvider"])
+    session = make(arena=False)
     made = time.perf_counter() - start
     _touch_mapped(Path(args.case).parent)
     made_peak = _status_kib("VmHWM")
     before = _status_kib("VmRSS")
-    # reset the peak (Linux: clear_refs 5), so the runs' own peak is measured, not the session's
+    # reset the peak (Linux: clear_refs 5), so the run's own peak is measured, not the session's
     Path("/proc/self/clear_refs").write_text("5")
-    out = session.run(None, feed)[0]  # warm-up
+    out = session.run(None, feed)[0]
+    peak = _status_kib("VmHWM")
+    np.save(args.case + ".out.npy", out)
+    del session
+    session = make(arena=True)
+    session.run(None, feed)  # warm-up
     times = []
     for _ in range(args.runs):
         start = time.perf_counter()
-        out = session.run(None, feed)[0]
+        session.run(None, feed)
         times.append(time.perf_counter() - start)
-    peak = _status_kib("VmHWM")
-    np.save(args.case + ".out.npy", out)
     print(json.dumps({"s": statistics.median(times), "made_s": made, "bare_kib": bare,
                       "made_peak_kib": made_peak, "session_kib": before, "peak_kib": peak,
                       "run_kib": peak - before}))  # fmt: skip
@@ -303,47 +350,67 @@ def main():
 
     nsp = MoeMode("nsp", args.num_nsp, args.packed_chunk)
     nsp.check(args.experts, args.tokens)
-    cases = [
-        ("decode", args.decode_tokens, MoeMode()),
-        ("decode", args.decode_tokens, MoeMode("gather")),
-        ("prefill", args.tokens, MoeMode()),
-        ("prefill", args.tokens, nsp),
+    n = args.num_nsp
+    core = f"nsp, core 0 of {n}"
+    cases = [  # (phase, tokens, mode, label, experts)
+        ("decode", args.decode_tokens, MoeMode(), "dense", args.experts),
+        ("decode", args.decode_tokens, MoeMode("gather"), "gather", args.experts),
+        ("prefill", args.tokens, MoeMode(), "dense", args.experts),
+        ("prefill", args.tokens, nsp, str(nsp), args.experts),
+        # what one core runs: its E / num_nsp experts, nsp over one core
+        ("prefill", args.tokens, MoeMode("nsp", 1, args.packed_chunk), core, args.experts // n),
     ]
-    shape = (args.hidden, args.experts, args.inter, args.top_k)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = {}
-        for phase, tokens, mode in cases:
+        for phase, tokens, mode, label, experts in cases:
+            shape = (args.hidden, experts, args.inter, args.top_k)
+            tag = f"{tokens}_core" if label == core else str(tokens)
             if args.graphs_only:
-                data[tokens] = ("weights.bin", _spans(args.experts, args.hidden, args.inter))
-            elif tokens not in data:  # a weights file per row count (the seed's draws follow x)
-                data[tokens] = write_inputs(tokens, shape, tmp)
-            path = tmp / f"{phase}_{mode.name}.onnx"
+                data[tag] = ("weights.bin", _spans(experts, args.hidden, args.inter))
+            elif tag not in data:  # a weights file per row count (the seed's draws follow x)
+                data.update(prepare(tokens, (args.hidden, args.experts, args.inter, args.top_k),
+                                    n, tmp))  # fmt: skip
+            path = tmp / f"{phase}_{tag}_{mode.name}.onnx"
             start = time.perf_counter()
-            ops = export(mode, tokens, *shape, path, data[tokens])
+            ops = export(mode, tokens, *shape, path, data[tag])
             traced = time.perf_counter() - start
-            found = intermediates(path, args.num_nsp)
+            found = intermediates(path, mode.num_nsp if mode.name == "nsp" else n)
             read, flops = costs(mode, tokens, *shape)
-            row = dict(phase=phase, tokens=tokens, mode=mode, read=read, flops=flops,
+            row = dict(phase=phase, tokens=tokens, mode=mode, label=label, read=read, flops=flops,
                        traced=traced, ops=ops, found=found, r=None, diff=None)  # fmt: skip
             rows.append(row)
             if args.graphs_only:
                 continue
-            cmd = [sys.executable, __file__, "--case", str(path),
-                   "--feed", str(tmp / f"feed_{tokens}.npz"), "--runs", str(args.runs)]  # fmt: skip
+            cmd = [sys.executable, __file__, "--case", str(path), "--feed",
+                   str(tmp / f"feed_{tag}.npz"), "--runs", str(args.runs)]  # fmt: skip
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(done.stderr)
             r = row["r"] = json.loads(done.stdout.strip().splitlines()[-1])
             out = np.load(str(path) + ".out.npy")
-            if mode.name == "dense":
-                dense = out
-            row["diff"] = float(np.abs(out - dense).max() / np.abs(dense).max())
-            print(f"{phase} {mode}: session {r['made_s']:.1f} s, {_gib(r['session_kib'])} GiB "
+            if label == "dense":
+                expected = out
+            elif label == core:  # the core's own share: numpy's float64 answer
+                expected = np.load(tmp / f"expected_{tag}.npy")
+            row["diff"] = float(np.abs(out - expected).max() / np.abs(expected).max())
+            print(f"{phase} {label}: session {r['made_s']:.1f} s, {_gib(r['session_kib'])} GiB "
                   f"(creation peak {_gib(r['made_peak_kib'])} GiB); run {r['s']:.3f} s, adds "
                   f"{_gib(r['run_kib'])} GiB", file=sys.stderr)  # fmt: skip
     report(args, rows)
+
+
+def prepare(tokens, shape, num_nsp, folder):
+    """The inputs at `tokens` rows written under `folder` (`write_inputs`), and those of core 0
+    (`one_core`) with numpy's answer for them (expected_TAG.npy) → {tag: data}."""
+    values = _inputs(tokens, *shape)
+    data = {str(tokens): write_inputs(values, str(tokens), folder)}
+    core = one_core(values, num_nsp)
+    del values
+    data[f"{tokens}_core"] = write_inputs(core, f"{tokens}_core", folder)
+    np.save(folder / f"expected_{tokens}_core.npy", core_partial(core))
+    return data
 
 
 def report(args, rows):
@@ -359,7 +426,7 @@ def report(args, rows):
                  "run peak RSS GiB", "run adds GiB"]  # fmt: skip
     head += [
         "largest intermediate",
-        *(["rel diff vs dense"] if ran else []),
+        *(["rel diff"] if ran else []),
         "export s",
         "op types",
     ]
@@ -367,7 +434,7 @@ def report(args, rows):
     print("|---|---:|---|" + "---:|" * (len(head) - 3))
     base = {}
     for w in rows:
-        cells = [w["phase"], f"{w['tokens']:,}", str(w["mode"]), f"{w['read'] / 2**20:,.0f} MiB",
+        cells = [w["phase"], f"{w['tokens']:,}", w["label"], f"{w['read'] / 2**20:,.0f} MiB",
                  f"{w['flops'] / 1e9:,.1f}"]  # fmt: skip
         r = w["r"]
         if ran:
@@ -384,8 +451,11 @@ def report(args, rows):
         print("\nsession RSS: resident once the session is made (the weights and the constants "
               "onnxruntime folded from them), the process alone before it "
               f"{_gib(rows[0]['r']['bare_kib'])} GiB; creation peak: the peak RSS while it was "
-              "made; run peak RSS: the peak of the warm-up and timed runs; run adds: that peak "
-              "over the session's resident size.")  # fmt: skip
+              "made; run peak RSS: the peak of one run; run adds: that peak over the session's "
+              "resident size (a session without onnxruntime's arena; the timed runs use one "
+              "with it, as the runner does). rel diff: the largest difference from dense's "
+              "answer over dense's largest; the one core's from numpy's float64 answer for "
+              "its experts alone.")  # fmt: skip
     print(f"\n| phase | mode | largest intermediate (whole process) | per core (tensors with "
           f"the {n} cores outermost split over them, others whole) | next largest |")  # fmt: skip
     print("|---|---|---|---|---|")
@@ -393,33 +463,44 @@ def report(args, rows):
         found = w["found"]
         b, name, s, _ = found[0]
         core = "–"
-        if w["mode"].name == "nsp":
+        if w["mode"].name == "nsp" and w["mode"].num_nsp == n:
             cb, cname, cs, split = per_core(found, n)
             core = f"{_mib(cb)}: `{cname}` {list(cs)}" + (f" / {n}" if split else " (whole)")
         nxt = ", ".join(f"{_mib(b2)} {list(s2)}" for b2, _, s2, _ in found[1:3])
-        print(f"| {w['phase']} | {w['mode']} | {_mib(b)}: `{name}` {list(s)} | {core} | {nxt} |")
-    prefill = {w["mode"].name: w for w in rows if w["phase"] == "prefill"}
-    if {"dense", "nsp"} <= prefill.keys():
-        dw, nw = prefill["dense"], prefill["nsp"]
-        largest = dw["found"][0][0]
-        whole = nw["found"][0][0]
-        checks = [
-            ("largest intermediate, whole process", whole, largest / n),
-            ("largest intermediate, per core", per_core(nw["found"], n)[0], largest / n),
-        ]
-        if ran:
-            dadd, nadd = dw["r"]["run_kib"] * 1024, nw["r"]["run_kib"] * 1024
-            checks.append(("memory the runs add, whole process", nadd, dadd / n))
-        print(f"\nprefill goal (nsp's largest intermediate and peak memory at most a core's "
-              f"share of dense, 1/{n} of dense's):")  # fmt: skip
-        for what, got, bound in checks:
-            verdict = "met" if got <= bound else "not met"
-            print(f"- {what}: {_mib(got)} vs a core's share of dense {_mib(bound)} "
-                  f"({got / bound:.2f}×): {verdict}")  # fmt: skip
-        ratio = f"- nsp vs dense: largest intermediate {whole / largest:.3f}×"
-        if ran:
-            ratio += f", memory the runs add {nadd / dadd:.3f}×"
-        print(ratio)
+        print(f"| {w['phase']} | {w['label']} | {_mib(b)}: `{name}` {list(s)} | {core} | {nxt} |")
+    goal(args, rows)
+
+
+def goal(args, rows):
+    """The prefill goal: nsp's largest intermediate and peak memory at most a core's share of
+    dense's (1/num_nsp), for one core (its own graph, and the tensors split over the cores in
+    the whole graph) and for the whole process."""
+    n = args.num_nsp
+    ran = rows[0]["r"] is not None
+    prefill = [w for w in rows if w["phase"] == "prefill"]
+    dw, nw, cw = prefill  # dense, nsp over every core, one core's share
+    largest = dw["found"][0][0]
+    whole = nw["found"][0][0]
+    checks = [
+        ("largest intermediate, one core's graph", cw["found"][0][0], largest / n),
+        ("largest intermediate, per core of the whole graph", per_core(nw["found"], n)[0],
+         largest / n),
+        ("largest intermediate, whole process", whole, largest / n),
+    ]  # fmt: skip
+    if ran:
+        dadd, nadd, cadd = (w["r"]["run_kib"] * 1024 for w in prefill)
+        checks += [("memory the runs add, one core's graph", cadd, dadd / n),
+                   ("memory the runs add, whole process", nadd, dadd / n)]  # fmt: skip
+    print(f"\nprefill goal (nsp's largest intermediate and peak memory at most a core's "
+          f"share of dense, 1/{n} of dense's):")  # fmt: skip
+    for what, got, bound in checks:
+        verdict = "met" if got <= bound else "not met"
+        print(f"- {what}: {_mib(got)} vs a core's share of dense {_mib(bound)} "
+              f"({got / bound:.2f}×): {verdict}")  # fmt: skip
+    ratio = f"- nsp vs dense: largest intermediate {whole / largest:.3f}×"
+    if ran:
+        ratio += f", memory the runs add {nadd / dadd:.3f}×"
+    print(ratio)
 
 
 if __name__ == "__main__":
