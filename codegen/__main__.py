@@ -65,15 +65,16 @@ def _run_precision(args):
         plans = write_plans(
             args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
             check_shards=not args.skip_shard_check, graphs=args.graphs, log=log,
+            mxfp6=args.mxfp6,
         )  # fmt: skip
         print(plans_table(plans, args.precision))
         return 0
     results = verify_precision(
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
         check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,
-        graphs=args.graphs, specializations=args.specializations,
+        graphs=args.graphs, specializations=args.specializations, mxfp6=args.mxfp6,
     )  # fmt: skip
-    text, bad = precision_table(results, args.precision)
+    text, bad = precision_table(results, args.precision, args.mxfp6)
     print(text)
     return 1 if bad else 0
 
@@ -112,6 +113,9 @@ def _run_check(args):
     """`verify`: with --precision the device-precision run, else onnxruntime against ref."""
     if args.precision is not None:
         return _run_precision(args)
+    given = [o for o, on in (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6)) if on]
+    if given:
+        raise ValueError(f"verify {' '.join(given)}: needs --precision (fp16, bf16, ...)")
     return _run_verify(
         args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs,
         args.specializations,

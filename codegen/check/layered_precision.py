@@ -25,6 +25,7 @@ import numpy as np
 
 from codegen import graphs
 from codegen.check import layerwise as lw
+from codegen.check import mxfp6_weights
 from codegen.check import segments as sg
 from codegen.check.device_graph import (
     device_graph,
@@ -114,13 +115,16 @@ class _OnnxProbe:
         self.bad = first_nonfinite_onnx(known, names, producers)
 
 
-def _onnx_device(g, folder, feed, precision, exact, store, log):
-    """Pass 2: (peak |x|, first non-finite name or None, {output: relative error})."""
+def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6):
+    """Pass 2: (peak |x|, first non-finite name or None, {output: relative error}); each
+    segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given."""
     probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
-    runner = sg.Runner(
-        g.model, folder, feed, g.spec.head, g.checkpoint,
-        rewrite=lambda m: device_graph(m, precision), probe=probe,
-    )  # fmt: skip
+
+    def rewrite(m):
+        return device_graph(mxfp6_weights.initializers(m, g.checkpoint, mxfp6), precision)
+
+    runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
+                       probe=probe)  # fmt: skip
     errors = {}
     for name, value in runner.run_all():
         errors[name] = lw.error(store(name, value), exact[name])[1]
@@ -142,8 +146,9 @@ def _prefixed(records, start, prefix):
         records[i] = dataclasses.replace(r, name=".".join(p for p in (prefix, r.name) if p))
 
 
-def _ref_device(g, feed, precision, exact, store, log):
-    """Pass 3: ({output: relative error}, records)."""
+def _ref_device(g, feed, precision, exact, store, log, mxfp6):
+    """Pass 3: ({output: relative error}, records); the matmul weights as MXFP6 with element
+    `mxfp6` holds them, when given."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     records, errors, calls = [], {}, []
 
@@ -164,6 +169,7 @@ def _ref_device(g, feed, precision, exact, store, log):
 
         def run(*concrete):
             weights = lw.layer_weights(names, checkpoint, module)
+            weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
             start = len(records)
             made, _ = numerics.probe(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
@@ -184,7 +190,8 @@ def _ref_device(g, feed, precision, exact, store, log):
 
     args = [feed[t.name] if t.name in spec.lazy else graphs.drawn(feed[t.name])
             for t in spec.inputs]  # fmt: skip
-    args += lw.deferred_weights(spec, checkpoint).values()
+    deferred = lw.deferred_weights(spec, checkpoint)
+    args += mxfp6_weights.weights(list(deferred), deferred.values(), mxfp6)
     lazy = {j: a for j, a in enumerate(args) if isinstance(a, graphs.Drawn)}
 
     def fn(*given):  # the `Drawn` inputs reach their layers as they are, not traced
@@ -240,11 +247,17 @@ def _head_call(name, checkpoint, precision, records):
     return interceptor
 
 
-def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log):
+def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log,
+                             mxfp6=None):  # fmt: skip
     """One specialization of `verify --precision` layer by layer → (layers [(layer, max
     |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
     or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
-    stored as `kv`); kv: the KV storage format or None."""
+    stored as `kv`); kv: the KV storage format or None; mxfp6: an MXFP6 element format for
+    the device side's matmul weights (`codegen.check.mxfp6_weights`) or None."""
+    head = spec.head
+    if mxfp6 is not None and head and mxfp6_weights.stored(head, checkpoint.tensors[head].shape):
+        raise ValueError(f"{spec.name}: --mxfp6 layer by layer reads the output head {head!r} "
+                         "by rows unrounded; check this graph whole (--whole)")  # fmt: skip
     segs, last_use = sg.segments(model)
     g = _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
     retained = {b for _, b in spec.retained}
@@ -257,8 +270,8 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
         exact = _exact(g, feed, spill)
         log(f"  {spec.name}: onnx in {precision}")
         onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
-                                                    log)  # fmt: skip
-        ref_err, records = _ref_device(g, feed, precision, exact, store, log)
+                                                    log, mxfp6)  # fmt: skip
+        ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6)
         del exact
     layers = {}
     for r in records:

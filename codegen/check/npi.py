@@ -19,6 +19,9 @@ graph `verify` checks layer by layer (a released size) is refused by name.
 
 import os
 
+import onnx
+
+from codegen.check import mxfp6_weights
 from codegen.check.device_graph import (
     device_session,
     first_nonfinite_name,
@@ -90,10 +93,11 @@ def read_npi(path, model):
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
-                log=None):  # fmt: skip
+                log=None, mxfp6=None):  # fmt: skip
     """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
     whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
-    rows, headroom)]."""
+    rows, headroom)]. mxfp6: an MXFP6 element format the device graph's matmul weights are
+    stored in while planning (`codegen.check.mxfp6_weights`), or None."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
@@ -101,7 +105,11 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
     for entry, spec, model in chosen:
         if way(spec, entry, model, checkpoint, None) == "layers":
             raise PlanError(f"{spec.name}: too large for a whole-graph plan (verify's way)")
-        keep, found, headroom = plan_graph(entry, spec, model, folder, precision, kv, seed, log)
+        device = model
+        if mxfp6 is not None:
+            copy = onnx.ModelProto.FromString(model.SerializeToString())
+            device = mxfp6_weights.initializers(copy, checkpoint, mxfp6)
+        keep, found, headroom = plan_graph(entry, spec, device, folder, precision, kv, seed, log)
         path = os.path.join(folder, spec.name + SUFFIX)
         if keep:
             atomic_text(path, npi_yaml(keep))

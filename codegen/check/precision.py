@@ -19,8 +19,10 @@ from functools import partial
 
 import jax
 import numpy as np
+import onnx
 
 from codegen import graphs
+from codegen.check import mxfp6_weights
 from codegen.check.device_graph import (
     device_session,
     first_nonfinite_onnx,
@@ -39,14 +41,17 @@ from ref import numerics
 
 def verify_precision(
     folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
-    log=None, graphs=None, specializations=None,
+    log=None, graphs=None, specializations=None, mxfp6=None,
 ):  # fmt: skip
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
     layers [(layer, max |x|)], onnx_max, first nonfinite (ref: Record or None; onnx: name or
     None), errors [(output, ref rel err, onnx rel err)] against float32 `ref`, way ("whole
     graph" or "layer by layer", chosen as `verify` chooses: `codegen.check.verify.way`). log(line):
-    progress; graphs, specializations: the names of those to check (default all)."""
+    progress; graphs, specializations: the names of those to check (default all); mxfp6: an
+    MXFP6 element format (`ref.mxfp6`): the device side's matmul weights stored in it on both
+    sides (`codegen.check.mxfp6_weights`), the float32 reference's as the checkpoint holds
+    them."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
@@ -57,7 +62,8 @@ def verify_precision(
         log(f"verify --precision {precision} {spec.name}: "
             f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
         check = _layered if layered else _whole
-        for s, found in check(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+        found_all = check(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6)
+        for s, found in found_all:
             results.append(
                 {
                     "graph": spec.name,
@@ -88,26 +94,30 @@ def _stored(x, kv):
     return np.asarray(numerics.store(x, kv))
 
 
-def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
+def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6):
     for s, feed in sample_feeds(spec, seed, kv):
         layers, onnx_max, ref_bad, onnx_bad, errors = precision_specialization(
-            spec, model, folder, checkpoint, feed, precision, kv, log
+            spec, model, folder, checkpoint, feed, precision, kv, log, mxfp6
         )
         yield s, {"layers": layers, "onnx_max": onnx_max, "ref_nonfinite": ref_bad,
                   "onnx_nonfinite": onnx_bad, "errors": errors}  # fmt: skip
 
 
-def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log):
-    session, names = device_session(model, entry, folder, precision)
+def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6):
     producers = {o: n for n in inline(model).graph.node for o in n.output}
+    if mxfp6 is not None:
+        model = mxfp6_weights.initializers(onnx.ModelProto.FromString(model.SerializeToString()),
+                                           checkpoint, mxfp6)  # fmt: skip
+    session, names = device_session(model, entry, folder, precision)
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+    stored = mxfp6_weights.weights(spec.weights, weights, mxfp6)
     retained_out = {b for _, b in spec.retained}
     for s, feed in sample_feeds(spec, seed, kv):
         feed = graphs.drawn_feed(feed)
-        args = [feed[t.name] for t in spec.inputs] + weights
+        given = [feed[t.name] for t in spec.inputs]
         with graphs.layer_scope():
-            exact = jax.jit(spec.fn)(*args)
-            low, records = numerics.probe(spec.fn, precision, *args)
+            exact = jax.jit(spec.fn)(*given, *weights)
+            low, records = numerics.probe(spec.fn, precision, *given, *stored)
         names_out = [o.name for o in session.get_outputs()]
         got = dict(zip(names_out, session.run(None, feed), strict=True))
         errors = []
@@ -141,10 +151,11 @@ def table(head, rows):
     )
 
 
-def precision_table(results, precision):
+def precision_table(results, precision, mxfp6=None):
     """The `verify --precision` report: per graph, specialization and layer the largest |x|
     and the headroom to the format's largest finite value; the first non-finite tensor; the
-    outputs' relative error to float32 (`ref` in the format, and the ONNX graph in it)."""
+    outputs' relative error to float32 (`ref` in the format, and the ONNX graph in it; with
+    the matmul weights as MXFP6 with element `mxfp6` when given)."""
     precision = numerics.format_name(precision)
     top = numerics.finite_max(precision)
 
@@ -173,7 +184,8 @@ def precision_table(results, precision):
             bad.append(f"{r['graph']}/{r['specialization']}: onnx: tensor {onnx_bad} "
                        "turns non-finite")  # fmt: skip
     text = [
-        f"{precision}: largest finite {top:g}",
+        f"{precision}: largest finite {top:g}"
+        + ("" if mxfp6 is None else f"; matmul weights as MXFP6 ({mxfp6})"),
         table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
         "",
         table(

@@ -63,6 +63,13 @@ def verify_parser(sub):
         "none does) and write GRAPH.npi.yaml (QAIC's node-precision-info), which compile.sh "
         "passes as -node-precision-info",
     )
+    _mxfp6_argument(
+        v,
+        "with --precision: the device side's matmul weights stored as MXFP6 (QAIC's "
+        "-mxfp6-matmul; OCP MX v1.0, blocks of 32 along the reduction axis) in ref and in the "
+        "graph, the float32 reference's as the checkpoint holds them: element format e2m3 (the "
+        "default) or e3m2, an assumption (docs/precision.md)",
+    )
 
 
 def drift_parser(sub):
@@ -82,15 +89,17 @@ def drift_parser(sub):
         "verify --precision --write-npi) and QEfficient's rule (all but MatMuls in float32), "
         "each with its count of float32 nodes",
     )
-    d.add_argument(
-        "--mxfp6",
-        nargs="?",
-        const="e2m3",
-        choices=("e2m3", "e3m2"),
-        help="the device side's matmul weights stored as MXFP6 (QAIC's -mxfp6-matmul; OCP MX "
+    _mxfp6_argument(
+        d,
+        "the device side's matmul weights stored as MXFP6 (QAIC's -mxfp6-matmul; OCP MX "
         "v1.0, blocks of 32 along the reduction axis): element format e2m3 (the default) or "
         "e3m2, an assumption: Qualcomm does not publish it (docs/precision.md)",
     )
+
+
+def _mxfp6_argument(parser, text):
+    """--mxfp6 [e2m3|e3m2]: an MXFP6 element format, e2m3 when the option is given bare."""
+    parser.add_argument("--mxfp6", nargs="?", const="e2m3", choices=("e2m3", "e3m2"), help=text)
 
 
 def _precision_arguments(parser, default=None, precision_help=None, kv_help=None):

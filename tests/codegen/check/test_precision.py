@@ -236,11 +236,11 @@ def test_drift_command_reports_each_prompt(capsys):
     assert out[-1].startswith("agreement ") and "/6 = " in out[-1], out
 
 
-def _overflowing_tower(folder):
-    """The default tower saved alone, built to overflow float16 in the standardize step only:
-    std_bias −65280 (fits float16 and bfloat16), the last layer's output scaled ×100 so that
-    h = pooled·sqrt(32) > 240 somewhere and h − std_bias > 65504; std_scale 1e-4 brings the
-    float32 result back to ~6."""
+def _tower(folder, overflowing=True):
+    """The default tower saved alone; overflowing: built to overflow float16 in the
+    standardize step only: std_bias −65280 (fits float16 and bfloat16), the last layer's
+    output scaled ×100 so that h = pooled·sqrt(32) > 240 somewhere and h − std_bias > 65504;
+    std_scale 1e-4 brings the float32 result back to ~6."""
     import ml_dtypes
 
     from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
@@ -248,6 +248,9 @@ def _overflowing_tower(folder):
 
     prefix = "model.vision_tower."
     t = {n[len(prefix) :]: a for n, a in default_tensors().items() if n.startswith(prefix)}
+    if not overflowing:
+        save_checkpoint(folder, dict(DEFAULT_CONFIG["vision_config"]), t)
+        return folder
     t["std_bias"] = np.full_like(t["std_bias"], -65280.0)
     t["std_scale"] = np.full_like(t["std_scale"], 1e-4)
     w = "encoder.layers.2.post_feedforward_layernorm.weight"
@@ -262,7 +265,7 @@ def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_
     from codegen.__main__ import main
     from codegen.export.command import ExportOptions, export
 
-    model = _overflowing_tower(tmp_path / "ckpt")
+    model = _tower(tmp_path / "ckpt")
     for out, clip in ((tmp_path / "plain", False), (tmp_path / "clipped", True)):
         export(ExportOptions(out=out, model=model, budgets=(70,), verify=False, clip_fp16=clip))
     assert main(["verify", str(tmp_path / "plain")]) == 0  # float32 is fine
@@ -281,6 +284,63 @@ def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_
             capsys.readouterr()
         assert main(["verify", str(tmp_path / "clipped"), *way, "--precision", "fp16"]) == 0
         assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
+
+
+def _pooled_errors(text):
+    """(ref's, the graph's) relative error of the tower's `pooled` in a --precision table."""
+    row = next(line.split() for line in text.splitlines() if line.startswith("vision ")
+               and line.split()[2] == "pooled")  # fmt: skip
+    return float(row[3]), float(row[4])
+
+
+def _bfloat16_values(t):
+    """An in-memory bfloat16 or float32 initializer's values as float32."""
+    from onnx import TensorProto
+
+    if t.data_type == TensorProto.BFLOAT16:
+        bits = np.frombuffer(t.raw_data, np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(tuple(t.dims))
+    return np.frombuffer(t.raw_data, np.float32).reshape(tuple(t.dims))
+
+
+def test_verify_precision_mxfp6_stores_the_graphs_matmul_weights(tmp_path, capsys):
+    """`verify --precision fp16 --mxfp6 e3m2`: the graph's linear weights are the independent
+    encoder's MXFP6 (ml_dtypes' float6, blocks of 32 along each row), every other
+    initializer (norms, clip bounds, the position table) the checkpoint's bytes; `ref` and the
+    graph hold the same rounded weights: their errors to float32 agree, and are far above
+    float16's alone (~1e-3 on this tower); layer by layer gives the whole graph's figures."""
+    import onnx
+
+    from codegen.__main__ import main
+    from codegen.check.mxfp6_weights import initializers
+    from codegen.export.command import ExportOptions, export
+    from tests.ref.test_mxfp6 import oracle
+    from weights import open_checkpoint
+
+    ckpt, out = _tower(tmp_path / "ckpt", overflowing=False), tmp_path / "out"
+    export(ExportOptions(out=out, model=ckpt, budgets=(70,), verify=False))
+    model = onnx.load(str(out / "vision.onnx"), load_external_data=False)
+    before = {t.name: t.SerializeToString() for t in model.graph.initializer}
+    checkpoint = open_checkpoint(ckpt)
+    rounded = 0
+    for t in initializers(model, checkpoint, "e3m2").graph.initializer:
+        if len(t.dims) < 2 or t.name == "patch_embedder.position_embedding_table":
+            assert t.SerializeToString() == before[t.name], t.name
+            continue
+        want = oracle(np.asarray(checkpoint.read(t.name), np.float32), "e3m2")
+        np.testing.assert_array_equal(_bfloat16_values(t).view(np.uint32), want.view(np.uint32))
+        rounded += 1
+    assert rounded == 3 * 7 + 1, rounded  # 7 linears a layer, the patch projection
+    assert main(["verify", str(out), "--mxfp6"]) == 2  # needs --precision
+    figures = []
+    for way in ([], ["--layerwise"]):
+        assert main(["verify", str(out), *way, "--precision", "fp16", "--mxfp6", "e3m2"]) == 0
+        text = capsys.readouterr().out
+        assert "matmul weights as MXFP6 (e3m2)" in text
+        figures.append(_pooled_errors(text))
+    (ref_err, onnx_err), layered = figures
+    assert ref_err > 1e-2 and abs(onnx_err - ref_err) < 0.05 * ref_err, figures
+    np.testing.assert_allclose(layered, figures[0], rtol=1e-2)
 
 
 def _softmax_rows(scores, visible):
