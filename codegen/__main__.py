@@ -59,13 +59,15 @@ def _run_precision(args):
     from codegen.check.precision import precision_table, verify_precision
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.prompts is not None and not args.write_npi:
+        raise ValueError("verify --prompts: calibrates a plan, give --write-npi too")
     if args.write_npi:
         from codegen.check.npi import plans_table, write_plans
 
         plans = write_plans(
             args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
             check_shards=not args.skip_shard_check, graphs=args.graphs, log=log,
-            mxfp6=args.mxfp6,
+            mxfp6=args.mxfp6, prompts=args.prompts,
         )  # fmt: skip
         print(plans_table(plans, args.precision))
         return 0
@@ -113,7 +115,8 @@ def _run_check(args):
     """`verify`: with --precision the device-precision run, else onnxruntime against ref."""
     if args.precision is not None:
         return _run_precision(args)
-    given = [o for o, on in (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6)) if on]
+    given = [o for o, on in (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6),
+                             ("--prompts", args.prompts)) if on]  # fmt: skip
     if given:
         raise ValueError(f"verify {' '.join(given)}: needs --precision (fp16, bf16, ...)")
     return _run_verify(

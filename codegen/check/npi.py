@@ -21,7 +21,7 @@ import os
 
 import onnx
 
-from codegen.check import mxfp6_weights
+from codegen.check import calibration, mxfp6_weights
 from codegen.check.device_graph import (
     device_session,
     first_nonfinite_name,
@@ -29,7 +29,7 @@ from codegen.check.device_graph import (
     inline,
     stats_of,
 )
-from codegen.check.precision import sample_feeds
+from codegen.check.precision import sample_feeds, stored_feed
 from codegen.check.verify import opened, way
 from codegen.folder.sessions import atomic_text
 from codegen.graphs import drawn_feed
@@ -43,13 +43,13 @@ class PlanError(ValueError):
     """A graph cannot be planned, or a plan names a node the graph does not have."""
 
 
-def plan_graph(entry, spec, model, folder, precision, kv, seed, log):
-    """The plan of one graph → (kept node names in the order found, [(specialization, name,
-    op)], headroom: (the format's largest finite value over the largest |x| left rounded,
-    that tensor's name))."""
+def plan_graph(entry, spec, model, folder, precision, feeds, log):
+    """The plan of one graph over its calibration inputs `feeds` [(label, feed)] → (kept node
+    names in the order found, [(label, name, op)], headroom: (the format's largest finite
+    value over the largest |x| left rounded, that tensor's name))."""
     producers = {o: n for n in inline(model).graph.node for o in n.output}
     keep, found, top = [], [], (0.0, None)
-    for s, feed in sample_feeds(spec, seed, kv):
+    for label, feed in feeds:
         while True:
             session, names = device_session(model, entry, folder, precision, frozenset(keep))
             out = [o.name for o in session.get_outputs()]
@@ -62,8 +62,8 @@ def plan_graph(entry, spec, model, folder, precision, kv, seed, log):
             if len(keep) == MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
             keep.append(bad)
-            found.append((s["name"], bad, producers[bad].op_type))
-            log(f"{spec.name} {s['name']}: keep {bad!r} ({producers[bad].op_type}) in float32")
+            found.append((label, bad, producers[bad].op_type))
+            log(f"{spec.name} {label}: keep {bad!r} ({producers[bad].op_type}) in float32")
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
 
@@ -93,23 +93,35 @@ def read_npi(path, model):
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
-                log=None, mxfp6=None):  # fmt: skip
+                log=None, mxfp6=None, prompts=None):  # fmt: skip
     """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
     whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
     rows, headroom)]. mxfp6: an MXFP6 element format the device graph's matmul weights are
-    stored in while planning (`codegen.check.mxfp6_weights`), or None."""
+    stored in while planning (`codegen.check.mxfp6_weights`), or None; prompts: a requests
+    file whose graph calls are the calibration inputs (`codegen.check.calibration`) instead
+    of verify's drawn ones."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
+    calls = None
+    if prompts is not None:
+        calls = calibration.recorded_feeds(folder, prompts, check_shards=check_shards, log=log)
     plans = []
     for entry, spec, model in chosen:
         if way(spec, entry, model, checkpoint, None) == "layers":
             raise PlanError(f"{spec.name}: too large for a whole-graph plan (verify's way)")
+        if calls is None:
+            feeds = ((s["name"], feed) for s, feed in sample_feeds(spec, seed, kv))
+        elif calls.get(entry.kind):
+            feeds = ((label, stored_feed(spec, f, kv)) for label, f in calls[entry.kind])
+        else:
+            raise PlanError(f"{spec.name}: no request in {prompts} calls this graph (the vision "
+                            "graph needs a request with an image or a video)")  # fmt: skip
         device = model
         if mxfp6 is not None:
             copy = onnx.ModelProto.FromString(model.SerializeToString())
             device = mxfp6_weights.initializers(copy, checkpoint, mxfp6)
-        keep, found, headroom = plan_graph(entry, spec, device, folder, precision, kv, seed, log)
+        keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds, log)
         path = os.path.join(folder, spec.name + SUFFIX)
         if keep:
             atomic_text(path, npi_yaml(keep))

@@ -78,13 +78,18 @@ def verify_precision(
 
 def sample_feeds(spec, seed, kv):
     """(specialization, its sample inputs with the retained ones stored as `kv`)."""
-    retained_in = {a for a, _ in spec.retained}
     for s in spec.specializations:
         rng = np.random.default_rng([seed, zlib.crc32(f"{spec.name}/{s['name']}".encode())])
-        feed = spec.sample(s["symbols"], rng)
-        if kv is not None:
-            feed = {k: _stored(v, kv) if k in retained_in else v for k, v in feed.items()}
-        yield s, feed
+        yield s, stored_feed(spec, spec.sample(s["symbols"], rng), kv)
+
+
+def stored_feed(spec, feed, kv):
+    """`feed` with the graph's retained inputs as the KV cache stores them in format kv (None:
+    as they are)."""
+    if kv is None:
+        return feed
+    retained_in = {a for a, _ in spec.retained}
+    return {k: _stored(v, kv) if k in retained_in else v for k, v in feed.items()}
 
 
 def _stored(x, kv):

@@ -63,6 +63,14 @@ def verify_parser(sub):
         "none does) and write GRAPH.npi.yaml (QAIC's node-precision-info), which compile.sh "
         "passes as -node-precision-info",
     )
+    v.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="with --write-npi: calibrate on these requests instead of verify's drawn inputs "
+        "(serve's JSONL: prompt, images, videos, max_new_tokens): every graph call made "
+        "generating them with the float32 graphs",
+    )
     _mxfp6_argument(
         v,
         "with --precision: the device side's matmul weights stored as MXFP6 (QAIC's "

@@ -55,10 +55,12 @@ class Runner:
     images through `codegen.run.vision`), `decode` (one token per row), each call fed its
     compute context length (`_run`)."""
 
-    def __init__(self, folder, *, check_shards=True, decode_folder=None):
+    def __init__(self, folder, *, check_shards=True, decode_folder=None, on_call=None):
         """folder: an export with prefill and decode graphs, or a `--prefill-only` export
         whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
-        export with the same retained-state layout)."""
+        export with the same retained-state layout); on_call(kind, feed): told of every
+        graph call before it runs (`verify --write-npi --prompts` records the feeds)."""
+        self.on_call = on_call or (lambda kind, feed: None)
         self.folder = os.path.abspath(folder)
         manifest = read_manifest(self.folder, check_shards=check_shards)
         graphs = {g.kind: g for g in manifest.graphs}
@@ -294,6 +296,7 @@ class Runner:
             k = ccl_for(self.ccls[kind], feed["position_ids"])
             feed = {**feed, "comp_ctx_lengths": np.zeros(k, np.int64)}
             self.ccl_steps.append((kind, k))
+        self.on_call(kind, feed)
         session = self.sessions[kind]
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(None, feed), strict=True))

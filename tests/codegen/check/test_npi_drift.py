@@ -5,10 +5,13 @@ float32 graphs against the float16 device graphs under no plan, the measured pla
 QEfficient's rule; the plan file is what compile.sh passes, and one naming a node the graph
 does not have is refused."""
 
+import json
+
 import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from PIL import Image
 
 from codegen.__main__ import main
 from codegen.check.npi import PlanError, read_npi
@@ -51,3 +54,22 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     assert rows["none"][1:3] == ["0", "0/6"], rows  # NaN soft tokens: no token right
     assert rows["measured"][1:3] == ["1", "6/6"], rows
     assert int(rows["QEfficient's rule"][2]) > 1000 and rows["QEfficient's rule"][3] == "6/6", rows
+    # calibrated on the user's own request instead: a photo's vision call overflows the same
+    # Sub; requests that never call the vision graph cannot plan it (and write nothing)
+    (out / "vision.npi.yaml").unlink()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (20, 12, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    asks = tmp_path / "asks.jsonl"
+    # placeholder ids (no tokenizer here): bos, a word, the image token (4), a word
+    asks.write_text(json.dumps({"prompt_ids": [2, 10, 4, 11], "images": ["a.png"],
+                                "max_new_tokens": 2}))  # fmt: skip
+    calibrate = ["verify", str(out), "--precision", "fp16", "--write-npi", "--prompts", str(asks)]
+    assert main(calibrate) == 0
+    report = capsys.readouterr().out
+    assert "vision: 1 node(s) in float32" in report and "request 1 vision 1" in report, report
+    assert read_npi(out / "vision.npi.yaml", graph) == ["sub_out_1"]
+    (out / "vision.npi.yaml").unlink()
+    asks.write_text(json.dumps({"prompt_ids": [2, 10, 11], "max_new_tokens": 2}))
+    assert main(calibrate) == 2
+    assert "no request in" in capsys.readouterr().err
+    assert not (out / "vision.npi.yaml").exists()
