@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import onnx
 
 from codegen import graphs
 from codegen.check import layerwise as lw
@@ -29,6 +30,7 @@ from codegen.check import mxfp6_weights
 from codegen.check import segments as sg
 from codegen.check.device_graph import (
     device_graph,
+    first_nonfinite_name,
     first_nonfinite_onnx,
     inline,
     layer_of,
@@ -129,6 +131,82 @@ def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6):
     for name, value in runner.run_all():
         errors[name] = lw.error(store(name, value), exact[name])[1]
     return probe.peak, probe.bad, errors
+
+
+class _Overflow(Exception):
+    """Raised by `_FirstOverflow` to stop a run at the first non-finite tensor."""
+
+
+def call_ordinals(model):
+    """{function call node's name: its place (1, 2, …) among the graph's function calls}: the
+    N of the "__N" suffix onnx's inliner gives the values of that call."""
+    functions = {f.name for f in model.functions}
+    calls = [n for n in model.graph.node if n.op_type in functions]
+    return {n.name: i for i, n in enumerate(calls, start=1)}
+
+
+def whole_names(segment, ordinals):
+    """{a value's name in the inlined `segment`: its name in the whole graph inlined} for the
+    values of the segment's layer call (named "…__1" there, as its graph's only call, and
+    "…__N" in the whole graph, N = `ordinals[call]`); a glue segment's names are the whole
+    graph's own (empty map)."""
+    calls = [n for n in segment.graph.node if n.name in ordinals]
+    if len(calls) != 1:
+        return {}
+    suffix = f"__{ordinals[calls[0].name]}"
+    top = {o for n in segment.graph.node for o in n.output}
+    inlined = inline(onnx.ModelProto.FromString(segment.SerializeToString()))
+    return {o: o[: -len("__1")] + suffix for n in inlined.graph.node for o in n.output
+            if o.endswith("__1") and o not in top}  # fmt: skip
+
+
+class _FirstOverflow:
+    """A pass-2 sink for a node-precision plan: the largest finite |x| of the tensors the plan
+    leaves rounded, and the first tensor that turns non-finite ((name, op)), which stops the
+    run (`_Overflow`); names as the whole graph inlined names them (`whole_names`)."""
+
+    def __init__(self, keep, ordinals):
+        self.keep, self.ordinals, self.top, self.bad = keep, ordinals, (0.0, None), None
+
+    def __call__(self, model, names, got, feed):
+        stats = stats_of(got, names)
+        producers = {o: n for n in inline(model).graph.node for o in n.output}
+        inputs = {n: (0.0, False, validate.all_finite(x))
+                  for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}  # fmt: skip
+        name = first_nonfinite_name({**inputs, **stats}, names, producers)
+        whole = whole_names(model, self.ordinals)
+        if name is not None:
+            self.bad = (whole.get(name, name), producers[name].op_type)
+            raise _Overflow(name)
+        rounded = [(st[0], whole.get(n, n)) for n, st in stats.items()]
+        self.top = max([self.top] + [r for r in rounded if r[1] not in self.keep])
+
+
+def first_overflow(spec, model, folder, checkpoint, feed, precision, keep, mxfp6=None):
+    """The exported graph `model` in the device's format segment by segment (pass 2) on
+    `feed`, the node outputs `keep` left in float32 → ((name, op) of the first tensor that
+    turns non-finite, or None; (largest finite |x| left rounded, its name)). The run stops at
+    that tensor: nothing after it is computed."""
+    ordinals = call_ordinals(model)
+    sink = _FirstOverflow(set(keep), ordinals)
+
+    def rewrite(m):
+        # the plan names values as the whole graph does; this segment names its call's "…__1"
+        # (and another call's "…__1" in the plan is not this one's)
+        names = whole_names(m, ordinals)
+        mine = {a for a, b in names.items() if b in keep} | {n for n in keep if n not in names}
+        m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
+        return device_graph(m, precision, keep=frozenset(mine))
+
+    runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
+    try:
+        for _ in runner.run_all():
+            pass
+    except _Overflow:
+        pass
+    finally:
+        give_back()
+    return sink.bad, sink.top
 
 
 def _param_avals(names, checkpoint, module):

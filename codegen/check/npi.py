@@ -12,9 +12,12 @@ before them — a small set, not a proven minimum. QEfficient decides by rule in
 non-MatMul node output of the decoder layers in float32 (its E2B file lists 4,010), every Add
 and RMSNorm of the vision tower.
 
-Names are those of the inlined graph (a node inside a layer function is named as onnx's
-inliner names it), each checked to exist there. Only whole-graph exports are planned; a
-graph `verify` checks layer by layer (a released size) is refused by name.
+Calibration inputs: verify's drawn ones per specialization, or the graph calls of the user's
+requests (`--prompts FILE`, `codegen.check.calibration`). A graph `verify` checks layer by
+layer (a released size, or `--layerwise`) is searched the same way segment by segment
+(`plan_layers`: one layer's weights held at a time, each run stopped at its first non-finite
+tensor). Names are those of the inlined graph (a node inside a layer function is named as
+onnx's inliner names it), each checked to exist there.
 """
 
 import os
@@ -29,6 +32,7 @@ from codegen.check.device_graph import (
     inline,
     stats_of,
 )
+from codegen.check.layered_precision import first_overflow
 from codegen.check.precision import sample_feeds, stored_feed
 from codegen.check.verify import opened, way
 from codegen.folder.sessions import atomic_text
@@ -68,6 +72,28 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log):
     return keep, found, (ratio, top[1])
 
 
+def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=None):
+    """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
+    held at a time): each search step runs the device graph segment by segment
+    (`layered_precision.first_overflow`) until its first non-finite tensor → the same
+    (kept names, found rows, headroom)."""
+    keep, found, top = [], [], (0.0, None)
+    for label, feed in feeds:
+        while True:
+            bad, peak = first_overflow(spec, model, folder, checkpoint, feed, precision,
+                                       frozenset(keep), mxfp6)  # fmt: skip
+            if bad is None:
+                top = max(top, peak)
+                break
+            if len(keep) == MOST:
+                raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
+            keep.append(bad[0])
+            found.append((label, *bad))
+            log(f"{spec.name} {label}: keep {bad[0]!r} ({bad[1]}) in float32")
+    ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
+    return keep, found, (ratio, top[1])
+
+
 def npi_yaml(names):
     """The node-precision-info file's text: FP32NodeInstanceNames, one name a line."""
     lines = ["FP32NodeInstanceNames:"] + [f'  - "{n}"' for n in names]
@@ -93,13 +119,14 @@ def read_npi(path, model):
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
-                log=None, mxfp6=None, prompts=None):  # fmt: skip
+                log=None, mxfp6=None, prompts=None, layerwise_given=None):  # fmt: skip
     """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
     whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
     rows, headroom)]. mxfp6: an MXFP6 element format the device graph's matmul weights are
     stored in while planning (`codegen.check.mxfp6_weights`), or None; prompts: a requests
     file whose graph calls are the calibration inputs (`codegen.check.calibration`) instead
-    of verify's drawn ones."""
+    of verify's drawn ones; layerwise_given: `verify`'s --layerwise/--whole (None: its
+    default by size), a graph checked layer by layer planned by `plan_layers`."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
@@ -108,8 +135,6 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
         calls = calibration.recorded_feeds(folder, prompts, check_shards=check_shards, log=log)
     plans = []
     for entry, spec, model in chosen:
-        if way(spec, entry, model, checkpoint, None) == "layers":
-            raise PlanError(f"{spec.name}: too large for a whole-graph plan (verify's way)")
         if calls is None:
             feeds = ((s["name"], feed) for s, feed in sample_feeds(spec, seed, kv))
         elif calls.get(entry.kind):
@@ -117,11 +142,17 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
         else:
             raise PlanError(f"{spec.name}: no request in {prompts} calls this graph (the vision "
                             "graph needs a request with an image or a video)")  # fmt: skip
-        device = model
-        if mxfp6 is not None:
-            copy = onnx.ModelProto.FromString(model.SerializeToString())
-            device = mxfp6_weights.initializers(copy, checkpoint, mxfp6)
-        keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds, log)
+        if way(spec, entry, model, checkpoint, layerwise_given) == "layers":
+            log(f"{spec.name}: planned layer by layer")
+            keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
+                                                feeds, log, mxfp6)  # fmt: skip
+        else:
+            device = model
+            if mxfp6 is not None:
+                copy = onnx.ModelProto.FromString(model.SerializeToString())
+                device = mxfp6_weights.initializers(copy, checkpoint, mxfp6)
+            keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds,
+                                               log)  # fmt: skip
         path = os.path.join(folder, spec.name + SUFFIX)
         if keep:
             atomic_text(path, npi_yaml(keep))

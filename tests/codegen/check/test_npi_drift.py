@@ -73,3 +73,27 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     assert main(calibrate) == 2
     assert "no request in" in capsys.readouterr().err
     assert not (out / "vision.npi.yaml").exists()
+
+
+def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsys):
+    """Token embeddings ×60 push one GELU product per decoder layer past float16 (the same
+    node inside each layer function). The layer-by-layer search (a released size's way, here
+    forced by --layerwise) runs one segment at a time, where onnx's inliner names a layer
+    call's values "…__1"; its plan must name each layer's node as the whole graph does
+    ("…__1" to "…__4") and equal the whole-graph plan."""
+    t = default_tensors()
+    name = "model.language_model.embed_tokens.weight"
+    t[name] = (t[name].astype(np.float32) * 60).astype(ml_dtypes.bfloat16)
+    save_checkpoint(tmp_path / "ckpt", DEFAULT_CONFIG, t)
+    out = tmp_path / "out"
+    export(ExportOptions(out=out, model=tmp_path / "ckpt", budgets=(70,), verify=False,
+                         phases=("decode",)), log=lambda m: None)  # fmt: skip
+    graph = onnx.load(out / "decode.onnx", load_external_data=False)
+    plans = []
+    for way in ("--whole", "--layerwise"):
+        args = ["verify", str(out), "--precision", "fp16", "--write-npi", "--graph", "decode"]
+        assert main([*args, way]) == 0
+        capsys.readouterr()
+        plans.append(read_npi(out / "decode.npi.yaml", graph))
+    assert plans[0] == [f"gelu_mul_6__{k}" for k in range(1, 5)], plans
+    assert plans[1] == plans[0]
