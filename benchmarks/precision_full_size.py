@@ -83,12 +83,45 @@ def peak_before_standardize(text):
     return max((float(x) for x in found), default=float("nan"))
 
 
+def export_tower(root, ckpt, args, clip):
+    """The tower exported under `root` (once; kept) → its folder."""
+    out = root / f"{args.model}-tower-{'clipped' if clip else 'plain'}"
+    if not (out / "manifest.json").exists():
+        cmd = [sys.executable, "-m", "codegen", "export", "--model", str(ckpt)]
+        cmd += ["--out", str(out), "--budgets", str(args.budget), "--no-verify"]
+        rc, _, _ = child(cmd + (["--clip-fp16"] if clip else []), root / "export.log")
+        if rc:
+            sys.exit(f"export failed (rc {rc}), see {root / 'export.log'}")
+    return out
+
+
+def plan(root, ckpt, args):
+    """`verify --precision fp16 --write-npi` of the plain export in a child: its plan (the
+    node outputs kept in float32), wall seconds and peak RSS."""
+    out = export_tower(root, ckpt, args, clip=False)
+    log = root / "plan.log"
+    cmd = [sys.executable, "-m", "codegen", "verify", str(out), "--precision", "fp16",
+           "--write-npi"]  # fmt: skip
+    rc, wall, rss = child(cmd, log)
+    text = log.read_text(errors="replace")
+    kept = [line.strip() for line in text.splitlines() if line.startswith("  vision_")]
+    summary = next((line for line in text.splitlines() if line.startswith("vision:")), "-")
+    print("| export | verify --precision fp16 --write-npi | plan | kept | wall | peak RSS |")
+    print("|---|---|---|---|---|---|")
+    print(f"| plain | exit {rc} | {summary} | {'; '.join(kept) or '-'} | {wall:.0f} s | "
+          f"{rss / 1e9:.2f} GB |")  # fmt: skip
+    return rc
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="31B", choices=sorted(CONFIGS))
     p.add_argument("--budget", type=int, default=280)
     p.add_argument("--feature-scale", type=float, default=400.0)
     p.add_argument("--keep", type=Path, help="keep the checkpoint and exports here")
+    p.add_argument("--plan", action="store_true",
+                   help="instead: `verify OUT --precision fp16 --write-npi` on the plain export "
+                        "(the node-precision plan, searched layer by layer)")  # fmt: skip
     args = p.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="precision_full_size."))
     root.mkdir(parents=True, exist_ok=True)
@@ -103,15 +136,11 @@ def main():
             gib = sum(x.nbytes for x in tensors.values()) / 2**30
             print(f"{args.model} tower: {len(tensors)} tensors, {gib:.2f} GiB bf16", flush=True)
             del tensors
+        if args.plan:
+            return plan(root, ckpt, args)
         rows = []
         for clip in (False, True):
-            out = root / f"{args.model}-tower-{'clipped' if clip else 'plain'}"
-            if not (out / "manifest.json").exists():
-                cmd = [sys.executable, "-m", "codegen", "export", "--model", str(ckpt)]
-                cmd += ["--out", str(out), "--budgets", str(args.budget), "--no-verify"]
-                rc, wall, _ = child(cmd + (["--clip-fp16"] if clip else []), root / "export.log")
-                if rc:
-                    sys.exit(f"export failed (rc {rc}), see {root / 'export.log'}")
+            out = export_tower(root, ckpt, args, clip)
             log = root / f"precision-{'clipped' if clip else 'plain'}.log"
             cmd = [sys.executable, "-m", "codegen", "verify", str(out), "--precision", "fp16"]
             rc, wall, rss = child(cmd, log)
