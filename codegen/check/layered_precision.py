@@ -182,13 +182,15 @@ class _FirstOverflow:
         self.top = max([self.top] + [r for r in rounded if r[1] not in self.keep])
 
 
-def first_overflow(spec, model, folder, checkpoint, feed, precision, keep, mxfp6=None):
+def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None):
     """The exported graph `model` in the device's format segment by segment (pass 2) on
-    `feed`, the node outputs `keep` left in float32 → ((name, op) of the first tensor that
-    turns non-finite, or None; (largest finite |x| left rounded, its name)). The run stops at
-    that tensor: nothing after it is computed."""
+    `feed`, the node outputs in `keep` (a list, whole-graph names) left in float32; each tensor
+    that turns non-finite is appended to `keep`, on_keep(name, op) is told (it may raise to
+    stop), and the run goes on from the segment that made it, run again with it kept: the
+    segments before it are not run again (keeping a later node changes none of their values)
+    → (largest finite |x| left rounded, its name)."""
     ordinals = call_ordinals(model)
-    sink = _FirstOverflow(set(keep), ordinals)
+    sink = _FirstOverflow(keep, ordinals)
 
     def rewrite(m):
         # the plan names values as the whole graph does; this segment names its call's "…__1"
@@ -200,13 +202,18 @@ def first_overflow(spec, model, folder, checkpoint, feed, precision, keep, mxfp6
 
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
     try:
-        for _ in runner.run_all():
-            pass
-    except _Overflow:
-        pass
+        while True:
+            try:
+                for _ in runner.run_all():
+                    pass
+                return sink.top
+            except _Overflow:  # raised before the runner moved past the segment
+                name, op = sink.bad
+                sink.bad = None
+                keep.append(name)
+                on_keep(name, op)
     finally:
         give_back()
-    return sink.bad, sink.top
 
 
 def _param_avals(names, checkpoint, module):

@@ -32,7 +32,7 @@ from codegen.check.device_graph import (
     inline,
     stats_of,
 )
-from codegen.check.layered_precision import first_overflow
+from codegen.check.layered_precision import plan_search
 from codegen.check.precision import sample_feeds, stored_feed
 from codegen.check.verify import opened, way
 from codegen.folder.sessions import atomic_text
@@ -74,22 +74,20 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log):
 
 def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=None):
     """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
-    held at a time): each search step runs the device graph segment by segment
-    (`layered_precision.first_overflow`) until its first non-finite tensor → the same
-    (kept names, found rows, headroom)."""
+    held at a time): the device graph runs segment by segment (`layered_precision.
+    plan_search`), and a segment that makes a non-finite tensor runs again with it kept,
+    the run going on from there → the same (kept names, found rows, headroom)."""
     keep, found, top = [], [], (0.0, None)
     for label, feed in feeds:
-        while True:
-            bad, peak = first_overflow(spec, model, folder, checkpoint, feed, precision,
-                                       frozenset(keep), mxfp6)  # fmt: skip
-            if bad is None:
-                top = max(top, peak)
-                break
-            if len(keep) == MOST:
+
+        def kept(name, op, label=label):
+            if len(keep) > MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
-            keep.append(bad[0])
-            found.append((label, *bad))
-            log(f"{spec.name} {label}: keep {bad[0]!r} ({bad[1]}) in float32")
+            found.append((label, name, op))
+            log(f"{spec.name} {label}: keep {name!r} ({op}) in float32")
+
+        peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6)
+        top = max(top, peak)
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
 
