@@ -105,7 +105,7 @@ def plan(root, ckpt, args):
     rc, wall, rss = child(cmd, log)
     text = log.read_text(errors="replace")
     kept = [line.strip() for line in text.splitlines() if line.startswith("  vision_")]
-    summary = next((line for line in text.splitlines() if line.startswith("vision:")), "-")
+    summary = next((line for line in text.splitlines() if "node(s) in float32" in line), "-")
     print("| export | verify --precision fp16 --write-npi | plan | kept | wall | peak RSS |")
     print("|---|---|---|---|---|---|")
     print(f"| plain | exit {rc} | {summary} | {'; '.join(kept) or '-'} | {wall:.0f} s | "
