@@ -107,14 +107,21 @@ class _OnnxProbe:
         self.peak = max([self.peak, *(st[0] for st in stats.values())])
         if self.bad is not None:
             return
-        producers = {o: n for n in inline(model).graph.node for o in n.output}
-        inputs = {  # only an input's finiteness is read: no copy or mask of a cache
-            n: (0.0, False, validate.all_finite(x))
-            for n, x in feed.items()
-            if np.asarray(x).dtype.kind == "f"
-        }
-        known = {**inputs, **stats}
-        self.bad = first_nonfinite_onnx(known, names, producers)
+        producers = _producers(model)
+        self.bad = first_nonfinite_onnx(_known(stats, feed), names, producers)
+
+
+def _producers(segment):
+    """{value name: the node making it} of the inlined `segment`."""
+    return {o: n for n in inline(segment).graph.node for o in n.output}
+
+
+def _known(stats, feed):
+    """`stats` with the segment's float inputs added as (0, no NaN, all finite?): only an
+    input's finiteness is read, no copy or mask of a cache."""
+    inputs = {n: (0.0, False, validate.all_finite(x))
+              for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}  # fmt: skip
+    return {**inputs, **stats}
 
 
 def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6):
@@ -145,19 +152,17 @@ def call_ordinals(model):
     return {n.name: i for i, n in enumerate(calls, start=1)}
 
 
-def whole_names(segment, ordinals):
-    """{a value's name in the inlined `segment`: its name in the whole graph inlined} for the
-    values of the segment's layer call (named "…__1" there, as its graph's only call, and
-    "…__N" in the whole graph, N = `ordinals[call]`); a glue segment's names are the whole
-    graph's own (empty map)."""
+def whole_names(segment, inlined, ordinals):
+    """{a value's name in the inlined `segment` (`inlined`: its value names): its name in the
+    whole graph inlined} for the values of the segment's layer call (named "…__1" there, as
+    its graph's only call, and "…__N" in the whole graph, N = `ordinals[call]`); a glue
+    segment's names are the whole graph's own (empty map)."""
     calls = [n for n in segment.graph.node if n.name in ordinals]
     if len(calls) != 1:
         return {}
     suffix = f"__{ordinals[calls[0].name]}"
     top = {o for n in segment.graph.node for o in n.output}
-    inlined = inline(onnx.ModelProto.FromString(segment.SerializeToString()))
-    return {o: o[: -len("__1")] + suffix for n in inlined.graph.node for o in n.output
-            if o.endswith("__1") and o not in top}  # fmt: skip
+    return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
 
 
 class _FirstOverflow:
@@ -170,11 +175,9 @@ class _FirstOverflow:
 
     def __call__(self, model, names, got, feed):
         stats = stats_of(got, names)
-        producers = {o: n for n in inline(model).graph.node for o in n.output}
-        inputs = {n: (0.0, False, validate.all_finite(x))
-                  for n, x in feed.items() if np.asarray(x).dtype.kind == "f"}  # fmt: skip
-        name = first_nonfinite_name({**inputs, **stats}, names, producers)
-        whole = whole_names(model, self.ordinals)
+        producers = _producers(model)
+        name = first_nonfinite_name(_known(stats, feed), names, producers)
+        whole = whole_names(model, producers, self.ordinals)
         if name is not None:
             self.bad = (whole.get(name, name), producers[name].op_type)
             raise _Overflow(name)
@@ -195,7 +198,8 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     def rewrite(m):
         # the plan names values as the whole graph does; this segment names its call's "…__1"
         # (and another call's "…__1" in the plan is not this one's)
-        names = whole_names(m, ordinals)
+        names = whole_names(m, _producers(onnx.ModelProto.FromString(m.SerializeToString())),
+                            ordinals)  # fmt: skip
         mine = {a for a, b in names.items() if b in keep} | {n for n in keep if n not in names}
         m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
         return device_graph(m, precision, keep=frozenset(mine))

@@ -12,6 +12,7 @@ values: the error `verify --precision` reports is then MXFP6's and the format's 
 """
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from ref import mxfp6
@@ -56,6 +57,15 @@ def _tensor(name, values, like):
         return helper.make_tensor(name, like.data_type, values.shape,
                                   values.astype(kind).tobytes(), raw=True)  # fmt: skip
     return helper.make_tensor(name, TensorProto.FLOAT, values.shape, values.tobytes(), raw=True)
+
+
+def stored_model(model, checkpoint, element):
+    """A copy of the ONNX `model` with its matmul weights as MXFP6 holds them (`initializers`),
+    or `model` itself when element is None."""
+    if element is None:
+        return model
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    return initializers(copy, checkpoint, element)
 
 
 def initializers(model, checkpoint, element):

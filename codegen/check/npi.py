@@ -22,8 +22,6 @@ onnx's inliner names it), each checked to exist there.
 
 import os
 
-import onnx
-
 from codegen.check import calibration, mxfp6_weights
 from codegen.check.device_graph import (
     device_session,
@@ -145,10 +143,7 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
             keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
                                                 feeds, log, mxfp6)  # fmt: skip
         else:
-            device = model
-            if mxfp6 is not None:
-                copy = onnx.ModelProto.FromString(model.SerializeToString())
-                device = mxfp6_weights.initializers(copy, checkpoint, mxfp6)
+            device = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
             keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds,
                                                log)  # fmt: skip
         path = os.path.join(folder, spec.name + SUFFIX)

@@ -19,7 +19,6 @@ from functools import partial
 
 import jax
 import numpy as np
-import onnx
 
 from codegen import graphs
 from codegen.check import mxfp6_weights
@@ -110,9 +109,7 @@ def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, m
 
 def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6):
     producers = {o: n for n in inline(model).graph.node for o in n.output}
-    if mxfp6 is not None:
-        model = mxfp6_weights.initializers(onnx.ModelProto.FromString(model.SerializeToString()),
-                                           checkpoint, mxfp6)  # fmt: skip
+    model = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
     session, names = device_session(model, entry, folder, precision)
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
     stored = mxfp6_weights.weights(spec.weights, weights, mxfp6)
