@@ -371,7 +371,7 @@ def main():
                 data[tag] = ("weights.bin", _spans(experts, args.hidden, args.inter))
             elif tag not in data:  # a weights file per row count (the seed's draws follow x)
                 data.update(prepare(tokens, (args.hidden, args.experts, args.inter, args.top_k),
-                                    n, tmp))  # fmt: skip
+                                    n, tmp, with_core=phase == "prefill"))  # fmt: skip
             path = tmp / f"{phase}_{tag}_{mode.name}.onnx"
             start = time.perf_counter()
             ops = export(mode, tokens, *shape, path, data[tag])
@@ -401,11 +401,13 @@ def main():
     report(args, rows)
 
 
-def prepare(tokens, shape, num_nsp, folder):
-    """The inputs at `tokens` rows written under `folder` (`write_inputs`), and those of core 0
-    (`one_core`) with numpy's answer for them (expected_TAG.npy) → {tag: data}."""
+def prepare(tokens, shape, num_nsp, folder, with_core):
+    """The inputs at `tokens` rows written under `folder` (`write_inputs`), and with_core those
+    of core 0 (`one_core`) with numpy's answer for them (expected_TAG.npy) → {tag: data}."""
     values = _inputs(tokens, *shape)
     data = {str(tokens): write_inputs(values, str(tokens), folder)}
+    if not with_core:
+        return data
     core = one_core(values, num_nsp)
     del values
     data[f"{tokens}_core"] = write_inputs(core, f"{tokens}_core", folder)
