@@ -174,6 +174,13 @@ class Record:
     shape: tuple
     max_abs: float
     nonfinite: bool
+    ordinal: int = 0  # its place among the tensors of this name and primitive, from 0
+
+    @property
+    def key(self):
+        """The tensor's name in a plan of tensors kept in float32 (`emulate`'s `keep`):
+        "module.path:primitive#ordinal", e.g. "VisionModel:sub#0"."""
+        return f"{self.name}:{self.primitive}#{self.ordinal}"
 
 
 def module_path(name_stack):
@@ -273,12 +280,33 @@ def _all_finite(x):
     return not _is_float(x) or validate.all_finite(x)
 
 
-def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
+class _Places:
+    """Each float tensor's module path and ordinal (`Record.key`) in evaluation order, and
+    whether a plan keeps it in float32. prefix: the module path the function runs under (a
+    layer probed on its own)."""
+
+    def __init__(self, keep=(), prefix=""):
+        self.keep, self.prefix, self.counts = frozenset(keep), prefix, {}
+
+    def place(self, path, primitive):
+        """(module path, ordinal) of the next tensor that `primitive` makes at name stack
+        `path`."""
+        name = ".".join(p for p in (self.prefix, module_path(path)) if p)
+        ordinal = self.counts.get((name, primitive), 0)
+        self.counts[(name, primitive)] = ordinal + 1
+        return name, ordinal
+
+    def kept(self, name, primitive, ordinal):
+        return f"{name}:{primitive}#{ordinal}" in self.keep
+
+
+def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None):
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
-    is dropped after the last equation reading it. sink: None, or sink(path, primitive,
-    result, inputs_finite) → whether result is all finite, called per float result of an
-    operation (inputs_finite: every float operand all finite); finite_in: that per argument,
-    where known."""
+    is dropped after the last equation reading it. sink: None, or sink(name, primitive,
+    result, inputs_finite, ordinal) → whether result is all finite, called per float result
+    of an operation (inputs_finite: every float operand all finite); finite_in: that per
+    argument, where known; places: a `_Places` (given with a sink, or to keep tensors in
+    float32: their results are not rounded)."""
     env, finite = {}, {}
 
     def read(v):
@@ -307,7 +335,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
         body = _CALLS.get(eqn.primitive.name)
         if body is not None:
             known = None if sink is None else [is_finite(v) for v in eqn.invars]
-            outs = _eval(eqn.params[body], ins, precision, sink, path, known)
+            outs = _eval(eqn.params[body], ins, precision, sink, path, known, places)
         elif eqn.primitive is _HOST:
             outs = [
                 round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
@@ -318,13 +346,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
         else:
             outs = eqn.primitive.bind(*ins, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]
-            outs = [round_to(o, precision) if _is_float(o) else o for o in outs]
-            if sink is not None:
-                pairs = zip(eqn.invars, ins, strict=True)
-                operands = all(is_finite(v) for v, x in pairs if _is_float(x))
-                for v, o in zip(eqn.outvars, outs, strict=True):
-                    if _is_float(o) and o.size:
-                        finite[v] = sink(path, eqn.primitive.name, o, operands)
+            outs = _results(eqn, ins, outs, precision, path, (sink, places, finite, is_finite))
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
         del ins
@@ -333,6 +355,30 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None):
                 env.pop(v, None)
                 finite.pop(v, None)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _results(eqn, ins, outs, precision, path, probing):
+    """An operation's results as the device stores them: each float one rounded, unless
+    `places` keeps it in float32; recorded by `sink` when given (`_eval`)."""
+    sink, places, finite, is_finite = probing
+    operands = None
+    done = []
+    for v, o in zip(eqn.outvars, outs, strict=True):
+        if not _is_float(o):
+            done.append(o)
+            continue
+        name = ordinal = None
+        if places is not None and o.size:
+            name, ordinal = places.place(path, eqn.primitive.name)
+        if name is None or not places.kept(name, eqn.primitive.name, ordinal):
+            o = round_to(o, precision)
+        if sink is not None and o.size:
+            if operands is None:
+                pairs = zip(eqn.invars, ins, strict=True)
+                operands = all(is_finite(u) for u, x in pairs if _is_float(x))
+            finite[v] = sink(name, eqn.primitive.name, o, operands, ordinal)
+        done.append(o)
+    return done
 
 
 def _traced(fn, args):
@@ -347,34 +393,46 @@ def _traced(fn, args):
     return closed, jax.tree_util.tree_structure(shapes), flat
 
 
-def emulate(fn, precision):
+def emulate(fn, precision, keep=()):
     """fn run as the device runs it in `precision` (module docstring): every float input,
-    constant and operation result rounded to it; same arguments and result tree as fn,
-    values in fn's dtypes. Traceable (jit it)."""
+    constant and operation result rounded to it — but the results `keep` names
+    (`Record.key`s: a node-precision plan in `ref`'s terms), which stay float32 as computed
+    from their rounded operands; same arguments and result tree as fn, values in fn's dtypes.
+    Traceable (jit it)."""
     precision = format_name(precision)
 
     def run(*args):
         closed, out_tree, flat = _traced(fn, args)
-        return jax.tree_util.tree_unflatten(out_tree, _eval(closed, flat, precision, None))
+        places = _Places(keep) if keep else None
+        outs = _eval(closed, flat, precision, places=places)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return run
 
 
-def probe(fn, precision, *args, records=None):
-    """fn's result in `precision` (as `emulate`, run op by op, not compiled) and a Record
-    per float tensor it made, in program order → (result, [Record]); records: a list to
-    append them to (the one returned), e.g. shared with probes run inside fn's operations."""
+def probe(fn, precision, *args, records=None, keep=(), prefix=""):
+    """fn's result in `precision` (as `emulate`, run op by op, not compiled; `keep` as
+    there) and a Record per float tensor it made, in program order → (result, [Record]);
+    records: a list to append them to (the one returned), e.g. shared with probes run inside
+    fn's operations; prefix: the module path fn runs under (a layer probed on its own), which
+    its records' names and keys start with."""
     precision = format_name(precision)
     closed, out_tree, flat = _traced(fn, args)
     records = [] if records is None else records
 
-    def sink(path, primitive, out, operands_finite):
-        values = np.abs(np.asarray(out, np.float32))
-        ok = np.isfinite(values)
-        turned = bool(np.isnan(values).any()) or (not ok.all() and operands_finite)
-        peak = float(values[ok].max()) if ok.any() else 0.0
-        records.append(Record(module_path(path), primitive, tuple(out.shape), peak, turned))
-        return bool(ok.all())
+    def sink(name, primitive, out, operands_finite, ordinal):
+        values = np.asarray(out, np.float32)
+        lo, hi = float(values.min()), float(values.max())  # NaN when any is (numpy's rule)
+        if np.isfinite(lo) and np.isfinite(hi):  # read in place: the common case
+            peak, ok, turned = max(hi, -lo), True, False
+        else:
+            values = np.abs(values)
+            finite = np.isfinite(values)
+            ok = bool(finite.all())
+            turned = bool(np.isnan(values).any()) or (not ok and operands_finite)
+            peak = float(values[finite].max()) if finite.any() else 0.0
+        records.append(Record(name, primitive, tuple(out.shape), peak, turned, ordinal))
+        return ok
 
-    outs = _eval(closed, flat, precision, sink)
+    outs = _eval(closed, flat, precision, sink, places=_Places(keep, prefix))
     return jax.tree_util.tree_unflatten(out_tree, outs), records

@@ -1,9 +1,10 @@
 """The exported graph as the device computes it, in onnxruntime: `device_graph` (functions
 inlined, every float tensor rounded to the compute format by a Cast pair but the node results a
-node-precision plan keeps in float32, three scalar statistics per tensor), its session, and the
+node-precision plan keeps in float32, scalar statistics per tensor), its session, and the
 first tensor that turned non-finite. `verify --precision` (`codegen.check.precision`), its
 layer-by-layer form, the node-precision plan (`npi`) and `drift --plans` run it."""
 
+import math
 import os
 
 import onnx
@@ -53,43 +54,53 @@ def inline(model):
     return onnx.inliner.inline_local_functions(model)
 
 
-STATS = ("peak", "nan", "bad")  # per probed tensor: max finite |x|, any NaN, any non-finite
+STATS = ("peak", "nonfinite")  # per probed tensor: max finite |x|, Σ|x| over its non-finite x
+FAST = ("hi", "lo", "sum")  # per probed tensor, read in place: its max, min and sum
 
 
 def _stat_nodes(name):
-    """Nodes making `name/peak` (its largest finite |x|, 0 when none), `name/nan` and
-    `name/bad` (1.0 when any element is NaN / non-finite, else 0.0): float scalars, so a
-    probed tensor is read as three numbers, not held (a zero is appended: empty tensors
-    reduce too)."""
+    """Nodes making `name/peak` (its largest finite |x|; −inf when it has none) and
+    `name/nonfinite` (the sum of |x| over its non-finite elements: 0 when all are finite,
+    NaN when any is NaN, else inf): float scalars, so a probed tensor is read as two
+    numbers, not held."""
 
     def node(op, inputs, out, **attrs):
         ins = [i if i.startswith("stats/") or i == name else f"{name}/{i}" for i in inputs]
         return helper.make_node(op, ins, [f"{name}/{out}"], name=f"{name}/{out}", **attrs)
 
     return [
-        node("Reshape", [name, "stats/flat"], "flat"),
-        node("Concat", ["flat", "stats/zero"], "padded", axis=0),
-        node("IsNaN", ["padded"], "isnan"),
-        node("IsInf", ["padded"], "isinf"),
-        node("Or", ["isnan", "isinf"], "isbad"),
-        node("Abs", ["padded"], "abs"),
-        node("Where", ["isbad", "stats/zero", "abs"], "finite"),
+        node("Abs", [name], "abs"),
+        node("Less", ["abs", "stats/inf"], "ok"),  # false for ±inf and NaN
+        node("Where", ["ok", "abs", "stats/zero"], "finite"),
         node("ReduceMax", ["finite"], "peak", keepdims=0),
-        node("Cast", ["isnan"], "nanf", to=TensorProto.FLOAT),
-        node("ReduceMax", ["nanf"], "nan", keepdims=0),
-        node("Cast", ["isbad"], "badf", to=TensorProto.FLOAT),
-        node("ReduceMax", ["badf"], "bad", keepdims=0),
+        node("Where", ["ok", "stats/zero", "abs"], "rest"),
+        node("ReduceSum", ["rest"], "nonfinite", keepdims=0),
     ]
 
 
-def device_graph(model, precision, keep=frozenset(), stats=True):
+def _fast_stat_nodes(name):
+    """Nodes making `name/hi`, `name/lo` and `name/sum` (its max, min and sum; an empty
+    tensor's are −inf, inf and 0): three reductions that read the tensor in place, where
+    `_stat_nodes` makes three tensors of its size. They give `_stat_nodes`' answer whenever
+    the tensor is finite (`stats_of`); most tensors of a run are (a layer's mask fill and
+    the running maxima that start from it are not: their names are given full statistics).
+    Measured on a 31B vision layer (2,520 patches) in the fp16 audit: 5.5 s a layer, where
+    the earlier 12-node statistic on every tensor took 22 s and no statistics 3.3 s."""
+    return [
+        helper.make_node(op, [name], [f"{name}/{out}"], name=f"{name}/{out}", keepdims=0)
+        for op, out in (("ReduceMax", "hi"), ("ReduceMin", "lo"), ("ReduceSum", "sum"))
+    ]
+
+
+def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset()):
     """The exported graph as the device computes it: functions inlined, every float32 input
     and node result rounded to `precision` by a Cast pair — but the node results named in
     `keep` (a node-precision plan: QAIC's FP32NodeInstanceNames), which stay float32 — and
-    three scalar outputs per node result (`_stat_nodes`: `name/peak`, `name/nan`,
-    `name/bad`; none when `stats` is False: the graph's own outputs only). model: an onnx
-    ModelProto (external data not loaded) → (ModelProto, probed tensor names in node order,
-    the names of their scalar outputs)."""
+    scalar outputs per node result (read by `stats_of`): `_stat_nodes`' `name/peak`,
+    `name/nonfinite` (stats True), `_fast_stat_nodes`' `name/hi`, `name/lo`, `name/sum`
+    (stats "fast"; the names in `full` get `_stat_nodes`), or none (stats False: the graph's
+    own outputs only). model: an onnx ModelProto (external data not loaded) → (ModelProto,
+    probed tensor names in node order, the names of their scalar outputs)."""
     model = inline(model)
     inputs, made = float_tensors(model)
     to = _ONNX_TYPES[precision]
@@ -112,31 +123,63 @@ def device_graph(model, precision, keep=frozenset(), stats=True):
                              to=TensorProto.FLOAT, name=f"{name}/to_float"),
         ]  # fmt: skip
     ordered = [c for name in inputs for c in rounding[name]]
+
+    def probes(name):
+        if not stats:
+            return []
+        return _stat_nodes(name) if stats is True or name in full else _fast_stat_nodes(name)
+
     for node in nodes:
         ordered.append(node)
         for o in node.output:
             if o.endswith("/exact"):
-                ordered += rounding[o[:-6]] + (_stat_nodes(o[:-6]) if stats else [])
+                ordered += rounding[o[:-6]] + probes(o[:-6])
     del graph.node[:]
     graph.node.extend(ordered)
     graph.initializer.extend(
         [
-            helper.make_tensor("stats/flat", TensorProto.INT64, [1], [-1]),
-            helper.make_tensor("stats/zero", TensorProto.FLOAT, [1], [0.0]),
+            helper.make_tensor("stats/inf", TensorProto.FLOAT, [], [math.inf]),
+            helper.make_tensor("stats/zero", TensorProto.FLOAT, [], [0.0]),
         ]
     )
-    outputs = [f"{n}/{stat}" for n in made for stat in STATS] if stats else []
+    outputs = [
+        f"{n}/{stat}"
+        for n in (made if stats else [])
+        for stat in (STATS if stats is True or n in full else FAST)
+    ]
     graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, []) for o in outputs)
     return model, made, outputs
 
 
 def stats_of(got, names):
     """{name: (largest finite |x|, any NaN, all finite)} from a device graph's scalar
-    outputs `got` ({output name: value})."""
-    return {
-        n: (float(got[f"{n}/peak"]), bool(got[f"{n}/nan"]), not bool(got[f"{n}/bad"]))
-        for n in names
-    }
+    outputs `got` ({output name: value}): a tensor's `_stat_nodes` outputs where it has them,
+    else its "fast" ones, which answer exactly for a tensor whose max, min and sum are finite
+    (the sum: a NaN anywhere makes it NaN, where onnxruntime's ReduceMax and ReduceMin skip
+    NaNs). Any other tensor (an inf or a NaN is there, or a float32 tensor's sum overflowed)
+    needs `_stat_nodes`: `Inexact` is raised naming every such tensor."""
+    out, inexact = {}, []
+    for n in names:
+        if f"{n}/peak" in got:
+            rest = float(got[f"{n}/nonfinite"])
+            out[n] = (max(float(got[f"{n}/peak"]), 0.0), math.isnan(rest), rest == 0.0)
+            continue
+        hi, lo, total = (float(got[f"{n}/{k}"]) for k in FAST)
+        if math.isfinite(total) and hi != math.inf and lo != -math.inf:
+            out[n] = (max(hi, -lo, 0.0), False, True)
+        else:
+            inexact.append(n)
+    if inexact:
+        raise Inexact(inexact)
+    return out
+
+
+class Inexact(Exception):
+    """Raised by `stats_of` for tensors whose fast statistics cannot answer (`.names`)."""
+
+    def __init__(self, names):
+        super().__init__(f"{len(names)} tensor(s) need full statistics, first {names[0]!r}")
+        self.names = names
 
 
 def device_session(model, entry, folder, precision, keep=frozenset()):

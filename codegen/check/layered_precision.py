@@ -100,10 +100,10 @@ class _OnnxProbe:
         self.peak, self.bad, self.log, self.runs = 0.0, None, log, 0
 
     def __call__(self, model, names, got, feed):
+        stats = stats_of(got, names)
         self.runs += 1
         if model.functions:
             self.log(f"onnx run {self.runs} (a layer call) done")
-        stats = stats_of(got, names)
         self.peak = max([self.peak, *(st[0] for st in stats.values())])
         if self.bad is not None:
             return
@@ -129,8 +129,9 @@ def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6):
     segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given."""
     probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
 
-    def rewrite(m):
-        return device_graph(mxfp6_weights.initializers(m, g.checkpoint, mxfp6), precision)
+    def rewrite(m, full):
+        m = mxfp6_weights.initializers(m, g.checkpoint, mxfp6)
+        return device_graph(m, precision, stats="fast", full=full)
 
     runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
                        probe=probe)  # fmt: skip
@@ -195,14 +196,14 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     ordinals = call_ordinals(model)
     sink = _FirstOverflow(keep, ordinals)
 
-    def rewrite(m):
+    def rewrite(m, full):
         # the plan names values as the whole graph does; this segment names its call's "…__1"
         # (and another call's "…__1" in the plan is not this one's)
         names = whole_names(m, _producers(onnx.ModelProto.FromString(m.SerializeToString())),
                             ordinals)  # fmt: skip
         mine = {a for a, b in names.items() if b in keep} | {n for n in keep if n not in names}
         m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
-        return device_graph(m, precision, keep=frozenset(mine))
+        return device_graph(m, precision, keep=frozenset(mine), stats="fast", full=full)
 
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
     try:
@@ -227,17 +228,10 @@ def _param_avals(names, checkpoint, module):
     ]
 
 
-def _prefixed(records, start, prefix):
-    """Records from `start` on named under `prefix` (a probe inside a host call names its
-    operations from the called module down)."""
-    for i in range(start, len(records)):
-        r = records[i]
-        records[i] = dataclasses.replace(r, name=".".join(p for p in (prefix, r.name) if p))
-
-
-def _ref_device(g, feed, precision, exact, store, log, mxfp6):
-    """Pass 3: ({output: relative error}, records); the matmul weights as MXFP6 with element
-    `mxfp6` holds them, when given."""
+def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
+    """Pass 3: ({output: relative error} (none when `exact` is None), records); the matmul
+    weights as MXFP6 with element `mxfp6` holds them, when given; the tensors `keep` names
+    (`ref.numerics.Record.key`s) left in float32."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     records, errors, calls = [], {}, []
 
@@ -259,15 +253,13 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6):
         def run(*concrete):
             weights = lw.layer_weights(names, checkpoint, module)
             weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
-            start = len(records)
             made, _ = numerics.probe(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
-                records=records,
+                records=records, prefix=path, keep=keep,
             )  # fmt: skip
             del weights
-            _prefixed(records, start, path)
             for n, v in zip(g.call_names(k), made, strict=True):
-                if n in g.outputs:
+                if n in g.outputs and exact is not None:
                     errors[n] = lw.error(store(n, v), exact[n])[1]
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
             made = g.released(k, made)
@@ -291,12 +283,12 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6):
         graphs.layer_scope(),
         graphs.layer_check(hook),
         nn.intercept_methods(lw.gather_rows(names, checkpoint)),
-        nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records)),
+        nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records, keep)),
     ):
         given = [a for j, a in enumerate(args) if j not in lazy]
-        out, _ = numerics.probe(fn, precision, *given, records=records)
+        out, _ = numerics.probe(fn, precision, *given, records=records, keep=keep)
     for t, v in zip(spec.outputs, out, strict=True):
-        if t.name not in errors:
+        if t.name not in errors and exact is not None:
             errors[t.name] = lw.error(store(t.name, v), exact[t.name])[1]
     return errors, records
 
@@ -309,7 +301,7 @@ def _drawn_here(x):
     return host_call(lambda: [x.value()], [aval(x.shape, x.dtype)])[0]
 
 
-def _head_call(name, checkpoint, precision, records):
+def _head_call(name, checkpoint, precision, records, keep=()):
     """`layerwise.head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
     rows of the head at a time, recorded under "Logits"."""
 
@@ -324,10 +316,10 @@ def _head_call(name, checkpoint, precision, records):
         def run(x):
             parts = []
             for rows in head_rows(checkpoint, name):
-                start = len(records)
                 fn = Logits(cap=module.cap).apply
-                parts.append(numerics.probe(fn, precision, {}, x, rows, records=records)[0])
-                _prefixed(records, start, "Logits")
+                got = numerics.probe(fn, precision, {}, x, rows, records=records,
+                                     prefix="Logits", keep=keep)  # fmt: skip
+                parts.append(got[0])
             return [jnp.concatenate(parts, axis=-1)]
 
         (got,) = host_call(run, [aval((*hidden.shape[:-1], vocab))], hidden)

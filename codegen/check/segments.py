@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from codegen import graphs
+from codegen.check.device_graph import Inexact
 from codegen.check.head_slices import head_rows, rows_before_cast, vocab_slices
 from codegen.folder.external import WeightError, onnx_dtype
 from codegen.folder.sessions import give_back, session_at
@@ -121,9 +122,12 @@ class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
     def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None):
-        """rewrite(segment ModelProto) → (ModelProto, probed names, extra outputs): each
+        """rewrite(segment ModelProto, full) → (ModelProto, probed names, extra outputs): each
         segment run as rewritten, its extra outputs handed to probe(segment ModelProto, probed
-        names, {extra output: value}, the segment's feed) (`verify --precision`)."""
+        names, {extra output: value}, the segment's feed) (`verify --precision`). full: the
+        tensor names to give full statistics (`device_graph`), the others fast ones: those
+        the probe could not judge from fast ones (`_Probed`), in this segment or an earlier
+        one (a layer's mask fill is -inf in every layer call)."""
         self.model, self.folder = model, folder
         self.head, self.checkpoint = head, checkpoint
         self.rewrite, self.probe = rewrite, probe
@@ -132,6 +136,7 @@ class Runner:
         self.values = dict(feed)
         self.outputs = {o.name for o in model.graph.output}
         self.made = {}  # graph outputs onnxruntime made, compared at the end
+        self.full = set()  # names given full statistics (see `rewrite`)
         self.next = 0
         self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
 
@@ -155,8 +160,15 @@ class Runner:
         path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
         if self.rewrite is None:
             return _Probed(session_at(m, path), m)
-        rewritten, *probed = self.rewrite(onnx.ModelProto.FromString(m.SerializeToString()))
-        return _Probed(session_at(rewritten, path), m, *probed, self.probe)
+        data = m.SerializeToString()
+
+        def rewritten(inexact=()):
+            self.full.update(inexact)
+            model, *probed = self.rewrite(onnx.ModelProto.FromString(data), frozenset(self.full))
+            return session_at(model, path), *probed
+
+        session, names, extra = rewritten()
+        return _Probed(session, m, names, extra, self.probe, again=rewritten)
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
@@ -319,18 +331,26 @@ def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
 
 @dataclasses.dataclass
 class _Probed:
-    """A segment's session whose run also hands its extra outputs to `probe`."""
+    """A segment's session whose run also hands its extra outputs to `probe`. A probe that
+    cannot answer from them (`device_graph.Inexact`: the fast statistics of tensors that are
+    not all finite) makes it run again, and on, as `again(names)` gives it: (session, probed
+    names, extra outputs) of the segment rewritten with full statistics for them."""
 
     session: object
     model: object
     names: tuple = ()
     extra: tuple = ()
     probe: object = None
+    again: object = None
 
     def run(self, names, feed):
         if not self.extra:
             return self.session.run(names, feed)
         wanted = [*names, *self.extra]
         got = dict(zip(wanted, self.session.run(wanted, feed), strict=True))
-        self.probe(self.model, self.names, {n: got[n] for n in self.extra}, feed)
+        try:
+            self.probe(self.model, self.names, {n: got[n] for n in self.extra}, feed)
+        except Inexact as e:  # from here on, with full statistics for those tensors
+            self.session, self.names, self.extra = self.again(e.names)
+            return self.run(names, feed)
         return [got[n] for n in names]

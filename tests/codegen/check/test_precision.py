@@ -176,6 +176,61 @@ def test_a_mean_is_one_device_operation_as_in_the_graph(seed, width):
     assert any(r.primitive == "reduce_sum" and r.nonfinite for r in records)
 
 
+stat_values = st.sampled_from([0.0, -0.0, 1.5, -3.0, 6e4, -6e4, 7e4, np.inf, -np.inf, np.nan])
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    st.lists(stat_values | st.floats(-1e5, 1e5, width=32), max_size=40),
+    st.booleans(),
+    st.booleans(),
+)
+def test_fast_statistics_give_the_full_answer_or_name_what_they_cannot(values, keep, full_z):
+    """`device_graph`'s full statistics (largest finite |x|, any NaN, all finite) are numpy's
+    reading of each tensor, and its "fast" ones (max, min and sum, read in place) give the
+    same for every probed tensor that is finite;
+    `stats_of` raises `Inexact` naming each tensor that is not (a NaN among finite values
+    included, which onnxruntime's ReduceMax skips) unless it was given full statistics.
+    Graph: y = x·2, z = y − x; y kept float32 or not; z with full statistics or not."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from codegen.check.device_graph import Inexact, device_graph, stats_of
+
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["y"]), helper.make_node("Sub", ["y", "x"], ["z"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [len(values)])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [len(values)])],
+        initializer=[helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feed = {"x": np.asarray(values, np.float32)}
+    kept, full_set = {"y"} if keep else set(), {"z"} if full_z else set()
+    got = {}
+    for stats in ("fast", True):
+        m, names, outputs = device_graph(model, "float16", kept, stats, full=full_set)
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        got[stats] = dict(zip(outputs, session.run(outputs, feed), strict=True))
+    with np.errstate(all="ignore"):
+        x16 = feed["x"].astype(np.float16).astype(np.float32)
+        y = x16 * 2 if keep else (x16 * 2).astype(np.float16).astype(np.float32)
+        tensors = {"y": y, "z": (y - x16).astype(np.float16).astype(np.float32)}
+    full = stats_of(got[True], names)
+    for n, t in tensors.items():  # numpy's own reading of each tensor
+        finite = np.abs(t[np.isfinite(t)])
+        want = (float(finite.max()) if finite.size else 0.0, bool(np.isnan(t).any()),
+                bool(np.isfinite(t).all()))  # fmt: skip
+        assert full[n] == want, (n, t)
+    unsure = [n for n in names if not full[n][2] and n not in full_set]
+    if not unsure:
+        assert stats_of(got["fast"], names) == full
+    else:
+        with pytest.raises(Inexact) as raised:
+            stats_of(got["fast"], names)
+        assert raised.value.names == unsure
+
+
 @pytest.fixture(scope="module")
 def default_model():
     from codegen.export.defaults import default_checkpoint
