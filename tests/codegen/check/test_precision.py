@@ -6,6 +6,7 @@ import math
 from fractions import Fraction
 from functools import partial, reduce
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,6 +133,48 @@ def test_emulate_rounds_every_operation_and_probe_names_the_first_overflow():
     assert records[0].max_abs == 1000.0 and not records[0].nonfinite
     # the division reads an inf: it is not where the overflow happened
     assert [r.nonfinite for r in records] == [False, True, False, False]
+
+
+class _Standardize(nn.Module):
+    """(h − bias)·scale inside a module, then a residual add: the overflow of the 26B/31B
+    vision standardize step, with two subtractions of the same module to number."""
+
+    @nn.compact
+    def __call__(self, h, bias, scale):
+        return (h - bias) * scale + (h - 1.0)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6))
+def test_emulate_keeps_the_planned_tensors_in_float32(seed, width):
+    """`emulate(fn, fp16, keep=...)` keeps in float32 exactly the tensors named by the
+    probe's `Record.key`s: keeping the overflowing subtraction (its key from the probe) gives
+    numpy's float32 subtraction of the rounded operands, rounded after the multiply; keeping
+    every tensor gives fn in float32 on the rounded inputs; a key naming no tensor changes
+    nothing. Oracle: numpy, step by step."""
+    rng = np.random.default_rng(seed)
+    h = rng.uniform(1e4, 3e4, (2, width)).astype(np.float32)
+    bias = np.full(width, -60000.0, np.float32)
+    scale = np.full(width, 1e-4, np.float32)
+    module = _Standardize()
+    fn = partial(module.apply, {})
+    _, records = numerics.probe(fn, "fp16", h, bias, scale)
+    first = next(r for r in records if r.nonfinite)
+    assert first.key == "_Standardize:sub#0" and first.name == "_Standardize"
+
+    def f16(a):
+        return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+    hr, br, sr = f16(h), f16(bias), f16(scale)
+    want = f16(f16((hr - br) * sr) + f16(hr - 1.0))
+    got = numerics.emulate(fn, "fp16", keep={first.key})(h, bias, scale)
+    assert np.array_equal(np.asarray(got), want)
+    everything = {r.key for r in records}
+    got = numerics.emulate(fn, "fp16", keep=everything)(h, bias, scale)
+    assert np.array_equal(np.asarray(got), (hr - br) * sr + (hr - 1.0))
+    plain = numerics.emulate(fn, "fp16")(h, bias, scale)
+    other = numerics.emulate(fn, "fp16", keep={"_Standardize:sub#2"})(h, bias, scale)
+    assert np.array_equal(np.asarray(other), np.asarray(plain)) and np.isinf(plain).all()
 
 
 # each example exports a graph (jax2onnx): a few drawn, and both widths pinned
