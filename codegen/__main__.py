@@ -75,6 +75,7 @@ def _run_precision(args):
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
         check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,
         graphs=args.graphs, specializations=args.specializations, mxfp6=args.mxfp6,
+        npi=not args.no_npi,
     )  # fmt: skip
     text, bad = precision_table(results, args.precision, args.mxfp6)
     print(text)
@@ -115,8 +116,9 @@ def _run_check(args):
     """`verify`: with --precision the device-precision run, else onnxruntime against ref."""
     if args.precision is not None:
         return _run_precision(args)
-    given = [o for o, on in (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6),
-                             ("--prompts", args.prompts)) if on]  # fmt: skip
+    options = (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6),
+               ("--prompts", args.prompts), ("--no-npi", args.no_npi))  # fmt: skip
+    given = [o for o, on in options if on]
     if given:
         raise ValueError(f"verify {' '.join(given)}: needs --precision (fp16, bf16, ...)")
     return _run_verify(

@@ -175,6 +175,7 @@ class Record:
     max_abs: float
     nonfinite: bool
     ordinal: int = 0  # its place among the tensors of this name and primitive, from 0
+    kept: bool = False  # kept in float32 by a plan (`emulate`'s keep), not rounded
 
     @property
     def key(self):
@@ -283,7 +284,8 @@ def _all_finite(x):
 class _Places:
     """Each float tensor's module path and ordinal (`Record.key`) in evaluation order, and
     whether a plan keeps it in float32. prefix: the module path the function runs under (a
-    layer probed on its own)."""
+    layer probed on its own: the operations of its own body are named by the prefix alone,
+    as when the whole graph is probed)."""
 
     def __init__(self, keep=(), prefix=""):
         self.keep, self.prefix, self.counts = frozenset(keep), prefix, {}
@@ -291,7 +293,10 @@ class _Places:
     def place(self, path, primitive):
         """(module path, ordinal) of the next tensor that `primitive` makes at name stack
         `path`."""
-        name = ".".join(p for p in (self.prefix, module_path(path)) if p)
+        inner = module_path(path)
+        if self.prefix and inner[:1].isupper():  # the prefixed module's own body: its class
+            inner = ""
+        name = ".".join(p for p in (self.prefix, inner) if p)
         ordinal = self.counts.get((name, primitive), 0)
         self.counts[(name, primitive)] = ordinal + 1
         return name, ordinal
@@ -303,8 +308,8 @@ class _Places:
 def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None):
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
     is dropped after the last equation reading it. sink: None, or sink(name, primitive,
-    result, inputs_finite, ordinal) → whether result is all finite, called per float result
-    of an operation (inputs_finite: every float operand all finite); finite_in: that per
+    result, inputs_finite, (ordinal, kept)) → whether result is all finite, called per float
+    result of an operation (inputs_finite: every float operand all finite); finite_in: that per
     argument, where known; places: a `_Places` (given with a sink, or to keep tensors in
     float32: their results are not rounded)."""
     env, finite = {}, {}
@@ -367,16 +372,17 @@ def _results(eqn, ins, outs, precision, path, probing):
         if not _is_float(o):
             done.append(o)
             continue
-        name = ordinal = None
+        name, ordinal, kept = None, None, False
         if places is not None and o.size:
             name, ordinal = places.place(path, eqn.primitive.name)
-        if name is None or not places.kept(name, eqn.primitive.name, ordinal):
+            kept = places.kept(name, eqn.primitive.name, ordinal)
+        if not kept:
             o = round_to(o, precision)
         if sink is not None and o.size:
             if operands is None:
                 pairs = zip(eqn.invars, ins, strict=True)
                 operands = all(is_finite(u) for u, x in pairs if _is_float(x))
-            finite[v] = sink(name, eqn.primitive.name, o, operands, ordinal)
+            finite[v] = sink(name, eqn.primitive.name, o, operands, (ordinal, kept))
         done.append(o)
     return done
 
@@ -420,7 +426,7 @@ def probe(fn, precision, *args, records=None, keep=(), prefix=""):
     closed, out_tree, flat = _traced(fn, args)
     records = [] if records is None else records
 
-    def sink(name, primitive, out, operands_finite, ordinal):
+    def sink(name, primitive, out, operands_finite, place):
         values = np.asarray(out, np.float32)
         lo, hi = float(values.min()), float(values.max())  # NaN when any is (numpy's rule)
         if np.isfinite(lo) and np.isfinite(hi):  # read in place: the common case
@@ -431,7 +437,7 @@ def probe(fn, precision, *args, records=None, keep=(), prefix=""):
             ok = bool(finite.all())
             turned = bool(np.isnan(values).any()) or (not ok and operands_finite)
             peak = float(values[finite].max()) if finite.any() else 0.0
-        records.append(Record(name, primitive, tuple(out.shape), peak, turned, ordinal))
+        records.append(Record(name, primitive, tuple(out.shape), peak, turned, *place))
         return ok
 
     outs = _eval(closed, flat, precision, sink, places=_Places(keep, prefix))

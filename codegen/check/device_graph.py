@@ -27,6 +27,17 @@ def layer_of(path):
     return parts[0]
 
 
+def layer_peaks(records):
+    """[(layer, largest |x|)] of `ref.numerics.Record`s, in order of first appearance; a
+    tensor a plan keeps in float32 is not in the format's range, and not counted."""
+    layers = {}
+    for r in records:
+        if not r.kept:
+            key = layer_of(r.name)
+            layers[key] = max(layers.get(key, 0.0), r.max_abs)
+    return list(layers.items())
+
+
 def float_tensors(model):
     """Names of the float32 tensors of an inlined model: its float inputs, then every node's
     float outputs in node order (types from ONNX shape inference)."""

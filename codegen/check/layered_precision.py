@@ -33,7 +33,7 @@ from codegen.check.device_graph import (
     first_nonfinite_name,
     first_nonfinite_onnx,
     inline,
-    layer_of,
+    layer_peaks,
     stats_of,
 )
 from codegen.check.head_slices import head_rows
@@ -68,6 +68,24 @@ class _Graph:
         return sg.released(made, self.call_names(k), self.outputs, self.last_use, at)
 
 
+def _graph(spec, model, checkpoint):
+    segs, last_use = sg.segments(model)
+    return _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
+
+
+def ref_first(spec, model, checkpoint, precision, mxfp6, log):
+    """first(feed, keep) for `npi.RefPlan`: pass 3 (`ref`'s device model, layer by layer) on
+    feed with the `Record.key`s keep in float32 → the first Record that turns non-finite, or
+    None."""
+    g = _graph(spec, model, checkpoint)
+
+    def first(feed, keep):
+        _, records = _ref_device(g, feed, precision, None, None, log, mxfp6, keep)
+        return next((r for r in records if r.nonfinite), None)
+
+    return first
+
+
 def _exact(g, feed, spill):
     """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones
     `layerwise.spilled` to the folder `spill`)."""
@@ -94,17 +112,20 @@ def _exact(g, feed, spill):
 
 
 class _OnnxProbe:
-    """Pass 2's sink: the largest finite |x| and the first non-finite tensor over segments."""
+    """Pass 2's sink: the largest finite |x| of the tensors rounded (a plan's `keep`,
+    whole-graph names, are not) and the first non-finite tensor over segments."""
 
-    def __init__(self, log):
+    def __init__(self, log, keep, ordinals):
         self.peak, self.bad, self.log, self.runs = 0.0, None, log, 0
+        self.keep, self.ordinals = keep, ordinals
 
     def __call__(self, model, names, got, feed):
         stats = stats_of(got, names)
         self.runs += 1
         if model.functions:
             self.log(f"onnx run {self.runs} (a layer call) done")
-        self.peak = max([self.peak, *(st[0] for st in stats.values())])
+        kept = segment_keep(model, self.keep, self.ordinals) if self.keep else ()
+        self.peak = max([self.peak, *(st[0] for n, st in stats.items() if n not in kept)])
         if self.bad is not None:
             return
         producers = _producers(model)
@@ -124,14 +145,17 @@ def _known(stats, feed):
     return {**inputs, **stats}
 
 
-def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6):
+def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6, keep=()):
     """Pass 2: (peak |x|, first non-finite name or None, {output: relative error}); each
-    segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given."""
-    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"))
+    segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given; the node
+    outputs `keep` names (whole-graph names: a node-precision plan) left in float32."""
+    ordinals = call_ordinals(g.model)
+    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"), keep, ordinals)
 
     def rewrite(m, full):
+        mine = segment_keep(m, keep, ordinals)
         m = mxfp6_weights.initializers(m, g.checkpoint, mxfp6)
-        return device_graph(m, precision, stats="fast", full=full)
+        return device_graph(m, precision, keep=mine, stats="fast", full=full)
 
     runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
                        probe=probe)  # fmt: skip
@@ -166,6 +190,16 @@ def whole_names(segment, inlined, ordinals):
     return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
 
 
+def segment_keep(segment, keep, ordinals):
+    """The whole-graph names `keep` as `segment` names them: the plan names values as the whole
+    graph inlined does; a segment names its call's "…__1" (and another call's "…__1" in the
+    plan is not this one's) → frozenset."""
+    inlined = _producers(onnx.ModelProto.FromString(segment.SerializeToString()))
+    names = whole_names(segment, inlined, ordinals)
+    mine = {a for a, b in names.items() if b in keep}
+    return frozenset(mine | {n for n in keep if n not in names})
+
+
 class _FirstOverflow:
     """A pass-2 sink for a node-precision plan: the largest finite |x| of the tensors the plan
     leaves rounded, and the first tensor that turns non-finite ((name, op)), which stops the
@@ -197,13 +231,9 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     sink = _FirstOverflow(keep, ordinals)
 
     def rewrite(m, full):
-        # the plan names values as the whole graph does; this segment names its call's "…__1"
-        # (and another call's "…__1" in the plan is not this one's)
-        names = whole_names(m, _producers(onnx.ModelProto.FromString(m.SerializeToString())),
-                            ordinals)  # fmt: skip
-        mine = {a for a, b in names.items() if b in keep} | {n for n in keep if n not in names}
+        mine = segment_keep(m, keep, ordinals)
         m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
-        return device_graph(m, precision, keep=frozenset(mine), stats="fast", full=full)
+        return device_graph(m, precision, keep=mine, stats="fast", full=full)
 
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
     try:
@@ -329,18 +359,18 @@ def _head_call(name, checkpoint, precision, records, keep=()):
 
 
 def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log,
-                             mxfp6=None):  # fmt: skip
+                             mxfp6=None, plan=((), ())):  # fmt: skip
     """One specialization of `verify --precision` layer by layer → (layers [(layer, max
     |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
     or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
     stored as `kv`); kv: the KV storage format or None; mxfp6: an MXFP6 element format for
-    the device side's matmul weights (`codegen.check.mxfp6_weights`) or None."""
+    the device side's matmul weights (`codegen.check.mxfp6_weights`) or None; plan: (node
+    outputs, `ref` keys) kept in float32 (`codegen.check.plan_file.folder_plan`)."""
     head = spec.head
     if mxfp6 is not None and head and mxfp6_weights.stored(head, checkpoint.tensors[head].shape):
         raise ValueError(f"{spec.name}: --mxfp6 layer by layer reads the output head {head!r} "
                          "by rows unrounded; check this graph whole (--whole)")  # fmt: skip
-    segs, last_use = sg.segments(model)
-    g = _Graph(spec, model, checkpoint, segs, last_use, {o.name for o in model.graph.output})
+    g = _graph(spec, model, checkpoint)
     retained = {b for _, b in spec.retained}
 
     def store(name, x):
@@ -351,13 +381,9 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
         exact = _exact(g, feed, spill)
         log(f"  {spec.name}: onnx in {precision}")
         onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
-                                                    log, mxfp6)  # fmt: skip
-        ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6)
+                                                    log, mxfp6, plan[0])  # fmt: skip
+        ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6, plan[1])
         del exact
-    layers = {}
-    for r in records:
-        key = layer_of(r.name)
-        layers[key] = max(layers.get(key, 0.0), r.max_abs)
     errors = [(t.name, ref_err[t.name], onnx_err[t.name]) for t in spec.outputs]
     bad = next((r for r in records if r.nonfinite), None)
-    return list(layers.items()), onnx_max, bad, onnx_bad, errors
+    return layer_peaks(records), onnx_max, bad, onnx_bad, errors

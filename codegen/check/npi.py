@@ -20,8 +20,6 @@ tensor). Names are those of the inlined graph (a node inside a layer function is
 onnx's inliner names it), each checked to exist there.
 """
 
-import os
-
 from codegen.check import calibration, mxfp6_weights
 from codegen.check.device_graph import (
     device_session,
@@ -30,25 +28,71 @@ from codegen.check.device_graph import (
     inline,
     stats_of,
 )
-from codegen.check.layered_precision import plan_search
-from codegen.check.precision import sample_feeds, stored_feed
+from codegen.check.layered_precision import plan_search, ref_first
+from codegen.check.plan_file import SUFFIX, PlanError, write_plan
+from codegen.check.precision import sample_feeds, stored_feed, whole_ref_first
 from codegen.check.verify import opened, way
-from codegen.folder.sessions import atomic_text
 from codegen.graphs import drawn_feed
 from ref import numerics
 
-SUFFIX = ".npi.yaml"
 MOST = 64  # nodes a plan may add before the search gives up
 
 
-class PlanError(ValueError):
-    """A graph cannot be planned, or a plan names a node the graph does not have."""
+# ONNX ops and the other ref primitives that make the same tensor (any op: its own name in
+# lower case): jax2onnx lowers an integer power to products (GELU's x³ = (x·x)·x, whose last
+# Mul is ref's integer_pow), a mean to one ReduceMean (ref's div; its sum is no tensor)
+_SAME_OP = {
+    "MatMul": {"dot_general"},
+    "Gemm": {"dot_general"},
+    "Mul": {"integer_pow"},
+    "Pow": {"integer_pow"},
+    "ReduceMean": {"div"},
+    "Where": {"select_n"},
+    "Cast": {"convert_element_type"},
+    "Expand": {"broadcast_in_dim"},
+}
 
 
-def plan_graph(entry, spec, model, folder, precision, feeds, log):
-    """The plan of one graph over its calibration inputs `feeds` [(label, feed)] → (kept node
-    names in the order found, [(label, name, op)], headroom: (the format's largest finite
-    value over the largest |x| left rounded, that tensor's name))."""
+def same_operation(op, primitive):
+    """True when ONNX op `op` and jaxpr primitive `primitive` make the same tensor."""
+    return primitive == op.lower() or primitive in _SAME_OP.get(op, ())
+
+
+class RefPlan:
+    """`ref`'s side of a plan, searched beside the graph's, node for node: on the same input,
+    the tensor `ref`'s device model turns non-finite first (with the tensors paired so far
+    kept in float32) is paired with the graph's node when both compute the same operation
+    (`same_operation`), and its `ref.numerics.Record.key` is kept. Where the two device models
+    part (another operation, or only one overflows), pairing stops and `parted` says where;
+    the graph's plan goes on alone (it is what QAIC reads)."""
+
+    def __init__(self, first):
+        """first(feed, keep) → the first Record `ref`'s device model turns non-finite on
+        `feed` with the keys `keep` in float32, or None."""
+        self.first, self.keep, self.parted = first, [], None
+
+    def pair(self, label, feed, node=None):
+        """`ref`'s key for the graph's first non-finite node (name, op) on `feed` (None: the
+        graph stays finite there) → the key kept, or None."""
+        if self.parted is not None:
+            return None
+        record = self.first(feed, tuple(self.keep))
+        if node is None and record is None:
+            return None
+        if node is not None and record is not None and same_operation(node[1], record.primitive):
+            self.keep.append(record.key)
+            return record.key
+        graph = "nothing" if node is None else f"{node[0]!r} ({node[1]})"
+        mine = "nothing" if record is None else f"{record.key} {list(record.shape)}"
+        self.parted = f"{label}: the graph turns {graph} non-finite first, ref {mine}"
+        return None
+
+
+def plan_graph(entry, spec, model, folder, precision, feeds, log, ref):
+    """The plan of one graph over its calibration inputs `feeds` [(label, feed)], `ref`'s side
+    paired by `ref` (a `RefPlan`) → (kept node names in the order found, [(label, name, op,
+    ref key or None)], headroom: (the format's largest finite value over the largest |x| left
+    rounded, that tensor's name))."""
     producers = {o: n for n in inline(model).graph.node for o in n.output}
     keep, found, top = [], [], (0.0, None)
     for label, feed in feeds:
@@ -59,18 +103,20 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log):
             stats = stats_of(got, names)
             bad = first_nonfinite_name(stats, names, producers)
             if bad is None:
+                ref.pair(label, feed)
                 top = max([top] + [(stats[n][0], n) for n in names if n not in keep])
                 break
             if len(keep) == MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
+            op = producers[bad].op_type
+            found.append((label, bad, op, ref.pair(label, feed, (bad, op))))
             keep.append(bad)
-            found.append((label, bad, producers[bad].op_type))
-            log(f"{spec.name} {label}: keep {bad!r} ({producers[bad].op_type}) in float32")
+            log(f"{spec.name} {label}: keep {bad!r} ({op}) in float32")
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
 
 
-def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=None):
+def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxfp6=None):
     """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
     held at a time): the device graph runs segment by segment (`layered_precision.
     plan_search`), and a segment that makes a non-finite tensor runs again with it kept,
@@ -78,40 +124,17 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=No
     keep, found, top = [], [], (0.0, None)
     for label, feed in feeds:
 
-        def kept(name, op, label=label):
+        def kept(name, op, label=label, feed=feed):
             if len(keep) > MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
-            found.append((label, name, op))
+            found.append((label, name, op, ref.pair(label, feed, (name, op))))
             log(f"{spec.name} {label}: keep {name!r} ({op}) in float32")
 
         peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6)
+        ref.pair(label, feed)
         top = max(top, peak)
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
-
-
-def npi_yaml(names):
-    """The node-precision-info file's text: FP32NodeInstanceNames, one name a line."""
-    lines = ["FP32NodeInstanceNames:"] + [f'  - "{n}"' for n in names]
-    return "\n".join(lines) + "\n"
-
-
-def read_npi(path, model):
-    """The names of a node-precision-info file, each checked to be a node output of `model`
-    (inlined) → list; PlanError naming the first unknown one."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise PlanError(f"{path}: {e}") from e
-    if not lines or lines[0].strip() != "FP32NodeInstanceNames:":
-        raise PlanError(f"{path}: expected 'FP32NodeInstanceNames:' on its first line")
-    names = [line.strip()[1:].strip().strip('"') for line in lines[1:] if line.strip()]
-    made = {o for n in inline(model).graph.node for o in n.output}
-    for name in names:
-        if name not in made:
-            raise PlanError(f"{path}: node output {name!r} is not in the graph")
-    return names
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
@@ -140,29 +163,31 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
                             "graph needs a request with an image or a video)")  # fmt: skip
         if way(spec, entry, model, checkpoint, layerwise_given) == "layers":
             log(f"{spec.name}: planned layer by layer")
+            ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log))
             keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
-                                                feeds, log, mxfp6)  # fmt: skip
+                                                feeds, log, ref, mxfp6)  # fmt: skip
         else:
+            ref = RefPlan(whole_ref_first(spec, checkpoint, precision, mxfp6))
             device = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
             keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds,
-                                               log)  # fmt: skip
-        path = os.path.join(folder, spec.name + SUFFIX)
-        if keep:
-            atomic_text(path, npi_yaml(keep))
-            read_npi(path, model)
-        elif os.path.exists(path):
-            os.remove(path)
-        plans.append((spec.name, keep, found, headroom))
+                                               log, ref)  # fmt: skip
+        write_plan(folder, spec.name, model, precision, found, ref.parted)
+        plans.append((spec.name, keep, found, headroom, ref.parted))
     return plans
 
 
 def plans_table(plans, precision):
     """The report: per graph the nodes kept in float32 (where found, op) and the headroom."""
     lines = []
-    for graph, keep, found, (ratio, tensor) in plans:
+    for graph, keep, found, (ratio, tensor), parted in plans:
         lines.append(
             f"{graph}: {len(keep)} node(s) in float32, headroom {ratio:.4g}x in {precision} "
             f"(largest rounded: {tensor!r})" + (f" -> {graph}{SUFFIX}" if keep else "")
         )
-        lines += [f"  {s}: {name} ({op})" for s, name, op in found]
+        lines += [
+            f"  {s}: {name} ({op})" + (f" = ref {key}" if key else " (not paired in ref)")
+            for s, name, op, key in found
+        ]
+        if parted is not None:
+            lines.append(f"  ref parts from the graph at {parted}")
     return "\n".join(lines)

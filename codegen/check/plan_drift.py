@@ -15,7 +15,7 @@ import onnx
 
 from codegen.check.device_graph import device_graph, float_tensors, inline
 from codegen.check.drift import random_prompt
-from codegen.check.npi import SUFFIX, read_npi
+from codegen.check.plan_file import SUFFIX, read_npi
 from codegen.check.precision import table
 from codegen.folder.sessions import session_at
 from codegen.run.runtime import Runner

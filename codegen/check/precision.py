@@ -27,11 +27,12 @@ from codegen.check.device_graph import (
     first_nonfinite_onnx,
     formats,
     inline,
-    layer_of,
+    layer_peaks,
     stats_of,
 )
 from codegen.check.layered_precision import precision_specialization
 from codegen.check.layerwise import error
+from codegen.check.plan_file import folder_plan
 from codegen.check.verify import opened, way
 from ref import numerics
 
@@ -40,7 +41,7 @@ from ref import numerics
 
 def verify_precision(
     folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
-    log=None, graphs=None, specializations=None, mxfp6=None,
+    log=None, graphs=None, specializations=None, mxfp6=None, npi=True,
 ):  # fmt: skip
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
@@ -50,7 +51,9 @@ def verify_precision(
     progress; graphs, specializations: the names of those to check (default all); mxfp6: an
     MXFP6 element format (`ref.mxfp6`): the device side's matmul weights stored in it on both
     sides (`codegen.check.mxfp6_weights`), the float32 reference's as the checkpoint holds
-    them."""
+    them; npi: honour each graph's node-precision plan in the folder (GRAPH.npi.yaml, and
+    GRAPH.npi.ref.json for `ref`'s side: `codegen.check.plan_file.folder_plan`), as
+    compile.sh passes it, its note in the result's "plan"."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
@@ -60,8 +63,12 @@ def verify_precision(
         layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
         log(f"verify --precision {precision} {spec.name}: "
             f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
+        *plan, note = folder_plan(folder, spec.name, model) if npi else ([], [], None)
+        if note is not None:
+            log(f"  {note}")
         check = _layered if layered else _whole
-        found_all = check(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6)
+        found_all = check(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6,
+                          plan)  # fmt: skip
         for s, found in found_all:
             results.append(
                 {
@@ -69,10 +76,28 @@ def verify_precision(
                     "specialization": s["name"],
                     **found,
                     "clipped": entry.clipped,
+                    "plan": note,
                     "way": "layer by layer" if layered else "whole graph",
                 }
             )
     return results
+
+
+def whole_ref_first(spec, checkpoint, precision, mxfp6):
+    """first(feed, keep) for `npi.RefPlan`: `ref`'s device model of the whole graph on feed
+    with the `Record.key`s keep in float32 → the first Record that turns non-finite, or
+    None."""
+    weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
+    stored = mxfp6_weights.weights(spec.weights, weights, mxfp6)
+
+    def first(feed, keep):
+        feed = graphs.drawn_feed(feed)
+        given = [feed[t.name] for t in spec.inputs]
+        with graphs.layer_scope():
+            _, records = numerics.probe(spec.fn, precision, *given, *stored, keep=keep)
+        return next((r for r in records if r.nonfinite), None)
+
+    return first
 
 
 def sample_feeds(spec, seed, kv):
@@ -98,19 +123,19 @@ def _stored(x, kv):
     return np.asarray(numerics.store(x, kv))
 
 
-def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6):
+def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6, plan):
     for s, feed in sample_feeds(spec, seed, kv):
         layers, onnx_max, ref_bad, onnx_bad, errors = precision_specialization(
-            spec, model, folder, checkpoint, feed, precision, kv, log, mxfp6
+            spec, model, folder, checkpoint, feed, precision, kv, log, mxfp6, plan
         )
         yield s, {"layers": layers, "onnx_max": onnx_max, "ref_nonfinite": ref_bad,
                   "onnx_nonfinite": onnx_bad, "errors": errors}  # fmt: skip
 
 
-def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6):
+def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6, plan):
     producers = {o: n for n in inline(model).graph.node for o in n.output}
     model = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
-    session, names = device_session(model, entry, folder, precision)
+    session, names = device_session(model, entry, folder, precision, frozenset(plan[0]))
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
     stored = mxfp6_weights.weights(spec.weights, weights, mxfp6)
     retained_out = {b for _, b in spec.retained}
@@ -119,7 +144,7 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxf
         given = [feed[t.name] for t in spec.inputs]
         with graphs.layer_scope():
             exact = jax.jit(spec.fn)(*given, *weights)
-            low, records = numerics.probe(spec.fn, precision, *given, *stored)
+            low, records = numerics.probe(spec.fn, precision, *given, *stored, keep=plan[1])
         names_out = [o.name for o in session.get_outputs()]
         got = dict(zip(names_out, session.run(None, feed), strict=True))
         errors = []
@@ -128,16 +153,13 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxf
             if kv is not None and t.name in retained_out:
                 mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
             errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
-        layers = {}
-        for r in records:
-            key = layer_of(r.name)
-            layers[key] = max(layers.get(key, 0.0), r.max_abs)
         stats = stats_of(got, names)
+        rounded = [st[0] for n, st in stats.items() if n not in plan[0]]
         yield (
             s,
             {
-                "layers": list(layers.items()),
-                "onnx_max": max((st[0] for st in stats.values()), default=0.0),
+                "layers": layer_peaks(records),
+                "onnx_max": max(rounded, default=0.0),
                 "ref_nonfinite": next((r for r in records if r.nonfinite), None),
                 "onnx_nonfinite": first_nonfinite_onnx(stats, names, producers),
                 "errors": errors,
@@ -185,9 +207,11 @@ def precision_table(results, precision, mxfp6=None):
         if onnx_bad is not None:
             bad.append(f"{r['graph']}/{r['specialization']}: onnx: tensor {onnx_bad} "
                        "turns non-finite")  # fmt: skip
+    plans = dict.fromkeys(r["plan"] for r in results if r.get("plan"))
     text = [
         f"{precision}: largest finite {top:g}"
         + ("" if mxfp6 is None else f"; matmul weights as MXFP6 ({mxfp6})"),
+        *(f"plan {note}" for note in plans),
         table(("graph", "specialization", "layer", "max |x|", "headroom"), layer_rows),
         "",
         table(

@@ -64,6 +64,12 @@ def verify_parser(sub):
         "passes as -node-precision-info",
     )
     v.add_argument(
+        "--no-npi",
+        action="store_true",
+        help="with --precision: ignore the folder's node-precision plans (GRAPH.npi.yaml; "
+        "by default their nodes stay float32 in both device models, as compile.sh passes them)",
+    )
+    v.add_argument(
         "--prompts",
         type=Path,
         metavar="FILE",

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from codegen.__main__ import main
-from codegen.check.npi import PlanError, read_npi
+from codegen.check.plan_file import PlanError, read_npi
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
 from weights import save_checkpoint
@@ -44,7 +44,17 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     assert (out / "vision.npi.yaml").exists() and not (out / "prefill.npi.yaml").exists()
     graph = onnx.load(out / "vision.onnx", load_external_data=False)
     assert read_npi(out / "vision.npi.yaml", graph) == ["sub_out_1"]  # the standardize Sub
+    assert "sub_out_1 (Sub) = ref VisionModel:sub#0" in report, report  # paired in ref
+    paired = json.loads((out / "vision.npi.ref.json").read_text())
+    assert paired["nodes"] == [{"onnx": "sub_out_1", "op": "Sub", "ref": "VisionModel:sub#0"}]
     assert "$(npi vision)" in (out / "compile.sh").read_text()  # -node-precision-info
+    # verify honours the plan in both device models (either one ignoring it exits 1)
+    check = ["verify", str(out), "--precision", "fp16", "--graph", "vision"]
+    assert main(check) == 0
+    report = capsys.readouterr().out
+    assert "plan vision.npi.yaml: 1 node(s) in float32, 1 of them in ref" in report, report
+    assert main([*check, "--no-npi"]) == 1
+    capsys.readouterr()
     (out / "bad.npi.yaml").write_text('FP32NodeInstanceNames:\n  - "no_such_node"\n')
     with pytest.raises(PlanError, match="node output 'no_such_node' is not in the graph"):
         read_npi(out / "bad.npi.yaml", graph)
@@ -89,11 +99,19 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     export(ExportOptions(out=out, model=tmp_path / "ckpt", budgets=(70,), verify=False,
                          phases=("decode",)), log=lambda m: None)  # fmt: skip
     graph = onnx.load(out / "decode.onnx", load_external_data=False)
-    plans = []
+    plans, paired = [], []
     for way in ("--whole", "--layerwise"):
-        args = ["verify", str(out), "--precision", "fp16", "--write-npi", "--graph", "decode"]
-        assert main([*args, way]) == 0
+        args = ["verify", str(out), "--precision", "fp16", "--graph", "decode", way]
+        assert main([*args, "--write-npi"]) == 0
         capsys.readouterr()
         plans.append(read_npi(out / "decode.npi.yaml", graph))
+        paired.append(json.loads((out / "decode.npi.ref.json").read_text()))
+        assert main(args) == 0  # the plan honoured, both device models finite
+        capsys.readouterr()
     assert plans[0] == [f"gelu_mul_6__{k}" for k in range(1, 5)], plans
     assert plans[1] == plans[0]
+    assert paired[1] == paired[0] and paired[0]["parted"] is None, paired
+    # GELU's x³: the graph's (x·x)·x, ref's integer_pow, in each layer's own body
+    assert [n["ref"] for n in paired[0]["nodes"]] == [
+        f"layers.{k}:integer_pow#0" for k in range(4)
+    ], paired
