@@ -17,7 +17,10 @@ requests (`--prompts FILE`, `codegen.check.calibration`). A graph `verify` check
 layer (a released size, or `--layerwise`) is searched the same way segment by segment
 (`plan_layers`: one layer's weights held at a time, each run stopped at its first non-finite
 tensor). Names are those of the inlined graph (a node inside a layer function is named as
-onnx's inliner names it), each checked to exist there.
+onnx's inliner names it), each checked to exist there. `ref`'s device model is searched
+beside the graph's (`RefPlan`): each node is paired with the tensor `ref` overflows first,
+written to GRAPH.npi.ref.json (`codegen.check.plan_file`), so that `verify --precision`
+keeps the plan in both device models.
 """
 
 from codegen.check import calibration, mxfp6_weights
