@@ -20,10 +20,11 @@ standardize step, wall seconds and peak RSS (`os.wait4`) of each run.
 
 Goal (issue 23): the plain export is refused naming the standardize subtraction; the clipped
 one passes; each run in bounded memory on a 24 GB host (issue 41: each in ≤ 15 min and
-≤ 8 GB). `--plan` instead writes the plain export's node-precision plan and checks it.
+≤ 8 GB). `--plan` instead writes the plain export's node-precision plan and checks it;
+`--whole-model` audits the whole model at the issue's shapes (sparse text layers).
 
     python benchmarks/precision_full_size.py [--model 31B] [--budget 280]
-        [--feature-scale 400] [--keep DIR]
+        [--feature-scale 400] [--plan | --whole-model] [--keep DIR]
 """
 
 import argparse
@@ -40,13 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from export_weight_free import child  # noqa: E402
+from export_weight_free import child, write_sparse_checkpoint  # noqa: E402
 from gemma4_configs import CONFIGS  # noqa: E402
 from verify_full_size import _scale_of  # noqa: E402
 
 from ref.gemma4.params import vision_param_shapes  # noqa: E402
 from ref.gemma4.vision import VisionConfig  # noqa: E402
-from weights import save_checkpoint  # noqa: E402
+from weights import open_checkpoint, save_checkpoint  # noqa: E402
 
 RELEASED_BIAS = (-53760.0, 36352.0)  # vLLM #40347: std_bias on some channels (31B, 26B-A4B)
 BIASED_CHANNELS = 8  # channels given each released value
@@ -120,12 +121,48 @@ def plan(root, ckpt, args):
     return rc or rc2
 
 
+def whole_model(root, args):
+    """The whole model's audit, as issue 41 tried it: a checkpoint of the released config that
+    is sparse (holes read as zeros) but for the vision tower (`tower_tensors`), exported at
+    seq_len 128, ctx_len 1,024 and `--budget`, and `verify OUT --precision fp16 --no-npi` on
+    every graph in a child: exit status, the first non-finite tensors, wall and peak RSS."""
+    config = CONFIGS[args.model]
+    ckpt, out = root / f"{args.model}-whole", root / f"{args.model}-whole-out"
+    if not (ckpt / "config.json").exists():
+        write_sparse_checkpoint(ckpt, config)
+        tensors = open_checkpoint(ckpt).tensors
+        for name, x in tower_tensors(config, args.feature_scale).items():
+            info = tensors[f"model.vision_tower.{name}"]
+            with open(info.file, "r+b") as f:
+                f.seek(info.offset)
+                f.write(x.tobytes())
+    if not (out / "manifest.json").exists():
+        cmd = [sys.executable, "-m", "codegen", "export", "--model", str(ckpt), "--out", str(out),
+               "--budgets", str(args.budget), "--seq-len", "128", "--ctx-len", "1024",
+               "--no-verify", "--no-hash"]  # fmt: skip
+        rc, _, _ = child(cmd, root / "export-whole.log")
+        if rc:
+            sys.exit(f"export failed (rc {rc}), see {root / 'export-whole.log'}")
+    log = root / "precision-whole.log"
+    cmd = [sys.executable, "-m", "codegen", "verify", str(out), "--precision", "fp16", "--no-npi"]
+    rc, wall, rss = child(cmd, log)
+    bad = first_bad(log.read_text(errors="replace"))
+    print("| export | verify --precision fp16 | first non-finite | wall | peak RSS |")
+    print("|---|---|---|---|---|")
+    print(f"| {args.model} shape, whole model | exit {rc} | {'; '.join(bad) or '-'} | "
+          f"{wall:.0f} s | {rss / 1e9:.2f} GB |")  # fmt: skip
+    return 0 if rc == 1 and wall <= 15 * 60 and rss <= 8e9 else 1
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="31B", choices=sorted(CONFIGS))
     p.add_argument("--budget", type=int, default=280)
     p.add_argument("--feature-scale", type=float, default=400.0)
     p.add_argument("--keep", type=Path, help="keep the checkpoint and exports here")
+    p.add_argument("--whole-model", action="store_true",
+                   help="instead: the whole model's audit (sparse text layers, this tower), "
+                        "exported at seq_len 128, ctx_len 1,024")  # fmt: skip
     p.add_argument("--plan", action="store_true",
                    help="instead: `verify OUT --precision fp16 --write-npi` on the plain export "
                         "(the node-precision plan, searched layer by layer)")  # fmt: skip
@@ -136,6 +173,8 @@ def main():
     if "vision_config" not in config or not config["vision_config"].get("standardize"):
         sys.exit(f"{args.model}: its tower has no standardize step (nothing to overflow)")
     try:
+        if args.whole_model:
+            return whole_model(root, args)
         ckpt = root / f"{args.model}-tower"
         if not (ckpt / "config.json").exists():
             tensors = tower_tensors(config, args.feature_scale)
