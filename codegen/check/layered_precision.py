@@ -151,12 +151,7 @@ def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6, keep=()):
     outputs `keep` names (whole-graph names: a node-precision plan) left in float32."""
     ordinals = call_ordinals(g.model)
     probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"), keep, ordinals)
-
-    def rewrite(m, full):
-        mine = segment_keep(m, keep, ordinals)
-        m = mxfp6_weights.initializers(m, g.checkpoint, mxfp6)
-        return device_graph(m, precision, keep=mine, stats="fast", full=full)
-
+    rewrite = _device_rewrite(g.checkpoint, precision, mxfp6, keep, ordinals)
     runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
                        probe=probe)  # fmt: skip
     errors = {}
@@ -190,10 +185,25 @@ def whole_names(segment, inlined, ordinals):
     return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
 
 
+def _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals):
+    """The `segments.Runner` rewrite of pass 2: each segment as the device computes it, its
+    matmul weights as MXFP6 when `mxfp6` is given, the plan's nodes `keep` (a list, whole-graph
+    names, read at each call: a search appends to it) left in float32."""
+
+    def rewrite(m, full):
+        mine = segment_keep(m, keep, ordinals)
+        m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
+        return device_graph(m, precision, keep=mine, stats="fast", full=full)
+
+    return rewrite
+
+
 def segment_keep(segment, keep, ordinals):
     """The whole-graph names `keep` as `segment` names them: the plan names values as the whole
     graph inlined does; a segment names its call's "…__1" (and another call's "…__1" in the
     plan is not this one's) → frozenset."""
+    if not keep:
+        return frozenset()
     inlined = _producers(onnx.ModelProto.FromString(segment.SerializeToString()))
     names = whole_names(segment, inlined, ordinals)
     mine = {a for a, b in names.items() if b in keep}
@@ -229,12 +239,7 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     → (largest finite |x| left rounded, its name)."""
     ordinals = call_ordinals(model)
     sink = _FirstOverflow(keep, ordinals)
-
-    def rewrite(m, full):
-        mine = segment_keep(m, keep, ordinals)
-        m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
-        return device_graph(m, precision, keep=mine, stats="fast", full=full)
-
+    rewrite = _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals)
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
     try:
         while True:

@@ -115,3 +115,33 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     assert [n["ref"] for n in paired[0]["nodes"]] == [
         f"layers.{k}:integer_pow#0" for k in range(4)
     ], paired
+
+
+def test_ref_pairing_stops_where_the_device_models_part():
+    """`RefPlan` pairs a graph node with ref's first non-finite tensor only when both make the
+    same operation; where they part (another operation, or only one side overflows) it says
+    where and pairs nothing after, so a plan never names a ref tensor for the wrong node."""
+    from codegen.check.npi import RefPlan
+    from ref.numerics import Record
+
+    def record(primitive):
+        return Record("VisionModel", primitive, (2, 3), 0.0, True)
+
+    seen = []
+    answers = iter([record("sub"), record("integer_pow"), record("exp"), record("add")])
+
+    def first(feed, keep):
+        seen.append(keep)
+        return next(answers)
+
+    ref = RefPlan(first)
+    assert ref.pair("a", {}, ("sub_out_1", "Sub")) == "VisionModel:sub#0"
+    assert ref.pair("a", {}, ("gelu_mul_6", "Mul")) == "VisionModel:integer_pow#0"
+    assert ref.parted is None and seen == [(), ("VisionModel:sub#0",)]
+    assert ref.pair("b", {}, ("add_out_3", "Add")) is None  # ref's first is an exp
+    assert "b: the graph turns 'add_out_3' (Add) non-finite first, ref VisionModel:exp#0" in (
+        ref.parted
+    )
+    assert ref.pair("b", {}, ("add_out_4", "Add")) is None and len(seen) == 3  # no more runs
+    alone = RefPlan(lambda feed, keep: record("sub"))
+    assert alone.pair("c", {}) is None and "the graph turns nothing" in alone.parted
