@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ref import numerics
+from ref import mxint8, numerics
 from tests.util import examples
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -58,8 +58,8 @@ element = st.one_of(finite32, special, magnitudes.flatmap(lambda m: st.floats(-m
 @example([1.0, 2.0**-7, 3 * 2.0**-7, -(2.0**-7), 5 * 2.0**-7, F32_TINY])  # ties: 0.5, 1.5, 2.5
 def test_mxint8_matches_the_spec_block_by_block(values):
     x = np.asarray(values, np.float32)
-    scales, elements = (np.asarray(a) for a in numerics.mxint8_encode(x))
-    decoded = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)))
+    scales, elements = (np.asarray(a) for a in mxint8.mxint8_encode(x))
+    decoded = np.asarray(mxint8.mxint8_round_trip(jnp.asarray(x)))
     for b in range(-(-len(x) // 32)):
         block = [float(v) for v in x[32 * b : 32 * b + 32]]
         bits, want = spec_block(block)
@@ -70,7 +70,7 @@ def test_mxint8_matches_the_spec_block_by_block(values):
         assert [abs(v) for v in got.tolist()] == [abs(spec_value(bits, e)) for e in want]
         assert all(v * e >= 0 for v, e in zip(got.tolist(), want, strict=True))
     # stored once, stored again: the same (a quantized cache is rewritten every step)
-    again = np.asarray(numerics.mxint8_round_trip(jnp.asarray(decoded)))
+    again = np.asarray(mxint8.mxint8_round_trip(jnp.asarray(decoded)))
     assert np.array_equal(again, decoded)
 
 
@@ -80,7 +80,7 @@ def test_mxint8_matches_the_spec_block_by_block(values):
 def test_mxint8_error_is_at_most_half_a_step_below_the_clamp(values):
     x = np.asarray(values, np.float32)
     amax = float(np.max(np.abs(x)))
-    got = np.asarray(numerics.mxint8_round_trip(jnp.asarray(x)), np.float64)
+    got = np.asarray(mxint8.mxint8_round_trip(jnp.asarray(x)), np.float64)
     if amax == 0:
         assert not got.any()
         return
@@ -97,13 +97,13 @@ def test_mxint8_refuses_nan_and_inf_by_index():
     x = np.zeros((2, 40), np.float32)
     x[1, 33] = np.nan
     with pytest.raises(ValueError, match=r"x\[1, 33\] = nan: expected finite"):
-        numerics.mxint8_encode(x)
+        mxint8.mxint8_encode(x)
     x[1, 33] = -np.inf
     with pytest.raises(ValueError, match=r"x\[1, 33\] = -inf"):
-        numerics.mxint8_encode(x)
+        mxint8.mxint8_encode(x)
     # traced (a cache write under jit): the block holding the NaN decodes to NaN, others stay
     x[1, 33], x[0, 3] = np.nan, 1.5
-    out = np.asarray(jax.jit(numerics.mxint8_round_trip)(jnp.asarray(x)))
+    out = np.asarray(jax.jit(mxint8.mxint8_round_trip)(jnp.asarray(x)))
     assert np.isnan(out[1, 32:]).all() and not np.isnan(out[1, :32]).any()
     assert out[0, 3] == 1.5
 
