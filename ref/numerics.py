@@ -305,6 +305,11 @@ def _results(eqn, ins, outs, precision, path, probing):
     return done
 
 
+def first_nonfinite(records):
+    """The first Record that turned non-finite, or None."""
+    return next((r for r in records if r.nonfinite), None)
+
+
 def _traced(fn, args):
     """(ClosedJaxpr of fn at args' shapes, fn's output tree, flat args)."""
     flat, in_tree = jax.tree_util.tree_flatten(args)

@@ -81,7 +81,7 @@ def ref_first(spec, model, checkpoint, precision, mxfp6, log):
 
     def first(feed, keep):
         _, records = _ref_device(g, feed, precision, None, None, log, mxfp6, keep)
-        return next((r for r in records if r.nonfinite), None)
+        return numerics.first_nonfinite(records)
 
     return first
 
@@ -390,5 +390,5 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
         ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6, plan[1])
         del exact
     errors = [(t.name, ref_err[t.name], onnx_err[t.name]) for t in spec.outputs]
-    bad = next((r for r in records if r.nonfinite), None)
+    bad = numerics.first_nonfinite(records)
     return layer_peaks(records), onnx_max, bad, onnx_bad, errors

@@ -95,7 +95,7 @@ def whole_ref_first(spec, checkpoint, precision, mxfp6):
         given = [feed[t.name] for t in spec.inputs]
         with graphs.layer_scope():
             _, records = numerics.probe(spec.fn, precision, *given, *stored, keep=keep)
-        return next((r for r in records if r.nonfinite), None)
+        return numerics.first_nonfinite(records)
 
     return first
 
@@ -160,7 +160,7 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxf
             {
                 "layers": layer_peaks(records),
                 "onnx_max": max(rounded, default=0.0),
-                "ref_nonfinite": next((r for r in records if r.nonfinite), None),
+                "ref_nonfinite": numerics.first_nonfinite(records),
                 "onnx_nonfinite": first_nonfinite_onnx(stats, names, producers),
                 "errors": errors,
             },
