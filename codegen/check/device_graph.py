@@ -146,7 +146,7 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
             if o.endswith("/exact"):
                 ordered += rounding[o[:-6]] + probes(o[:-6])
     del graph.node[:]
-    graph.node.extend(ordered)
+    graph.node.extend(at_first_use(ordered, {t.name for t in graph.initializer}))
     graph.initializer.extend(
         [
             helper.make_tensor("stats/inf", TensorProto.FLOAT, [], [math.inf]),
@@ -160,6 +160,53 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     ]
     graph.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, []) for o in outputs)
     return model, made, outputs
+
+
+def at_first_use(nodes, fixed):
+    """`nodes` (in order) with each node that reads only `fixed` values (initializers) or what
+    such nodes make — a weight's Cast and rounding pair, a Constant — moved to just before the
+    first node that needs what it makes, and the nodes that only inspect such values (a
+    weight's statistics) to just after what they read. onnxruntime runs the ready node listed
+    first first (`PRIORITY_BASED`): listed at the top, a layer's weight Casts all ran before
+    its first op, and every weight was held as float32 and rounded at once (31B prefill
+    layer: 4.1 GB)."""
+    ready, held = set(fixed), {}
+    for node in nodes:
+        if all(i in ready for i in node.input if i):
+            ready.update(node.output)
+            held.update({o: node for o in node.output})
+    ready -= set(held)
+    later = {id(n) for n in held.values()}
+    needed, stack = set(), [i for n in nodes if id(n) not in later for i in n.input]
+    while stack:
+        node = held.get(stack.pop())
+        if node is not None and id(node) not in needed:
+            needed.add(id(node))
+            stack += node.input
+    readers = {}
+    for node in nodes:
+        for i in node.input:
+            readers.setdefault(i, []).append(node)
+    out, done = [], set()
+
+    def emit(node):
+        for i in node.input:
+            if i in held and i not in ready:
+                emit(held[i])
+        done.add(id(node))
+        out.append(node)
+        ready.update(node.output)
+        for r in [r for o in node.output for r in readers.get(o, [])]:
+            inspects = id(r) in later and id(r) not in needed
+            if inspects and id(r) not in done and all(i in ready for i in r.input if i):
+                emit(r)
+
+    for node in nodes:
+        if id(node) in done or id(node) in needed:
+            continue
+        if id(node) not in later or all(i in ready for i in node.input if i):
+            emit(node)
+    return out
 
 
 def stats_of(got, names):

@@ -1,0 +1,92 @@
+"""`codegen.check.device_graph.at_first_use`: the device graph's node order, which sets what
+onnxruntime holds at once (`PRIORITY_BASED` runs the ready node listed first first)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper
+
+from codegen.check.device_graph import at_first_use
+
+
+@st.composite
+def graphs(draw):
+    """(nodes in a valid order, initializer names, graph input names): each node reads up to
+    three values made before it — initializers, graph inputs or earlier nodes' outputs — or
+    none (a Constant); node i makes "v{i}"."""
+    inits = [f"w{i}" for i in range(draw(st.integers(0, 4)))]
+    inputs = [f"x{i}" for i in range(draw(st.integers(1, 3)))]
+    nodes, made = [], []
+    for i in range(draw(st.integers(1, 24))):
+        pool = inits + inputs + made
+        reads = draw(st.lists(st.sampled_from(pool), max_size=3)) if pool else []
+        nodes.append(helper.make_node("Op", reads, [f"v{i}"], name=f"n{i}"))
+        made.append(f"v{i}")
+    return nodes, inits, inputs
+
+
+def _fixed(nodes, inits):
+    """Names of the nodes whose value depends on no graph input, by a forward scan."""
+    values, out = set(inits), set()
+    for n in nodes:
+        if all(i in values for i in n.input):
+            values.update(n.output)
+            out.add(n.name)
+    return out
+
+
+def _needers(nodes, fixed):
+    """{fixed node: the graph-input nodes that read it, directly or through fixed nodes}."""
+    producer = {o: n for n in nodes for o in n.output}
+    found = {}
+    for n in nodes:
+        if n.name in fixed:
+            continue
+        stack = list(n.input)
+        while stack:
+            p = producer.get(stack.pop())
+            if p is not None and p.name in fixed and n.name not in found.setdefault(p.name, []):
+                found[p.name].append(n.name)
+                stack += p.input
+    return found
+
+
+@settings(max_examples=200, deadline=None)
+@given(graphs())
+def test_weight_chains_run_just_before_their_first_reader(drawn):
+    """The order is a permutation of the nodes in which every value is made before it is read;
+    the nodes that read a graph input keep their order; a node computed from initializers only
+    comes after every graph-input node listed before the first one that needs it, and one
+    that nothing of the graph-input part needs (a weight's statistic) comes right after
+    what it reads. Fails when the chains stay at the top (identity order), when a chain is
+    emitted after its reader, or when a statistic is left to the end."""
+    nodes, inits, inputs = drawn
+    out = at_first_use(nodes, set(inits))
+    assert sorted(n.name for n in out) == sorted(n.name for n in nodes)
+    assert len(out) == len(nodes)
+    seen = set(inits) | set(inputs)
+    for n in out:
+        assert all(i in seen for i in n.input), (n.name, [m.name for m in out])
+        seen.update(n.output)
+    fixed = _fixed(nodes, inits)
+    live = [n.name for n in nodes if n.name not in fixed]
+    assert [n.name for n in out if n.name not in fixed] == live
+    at = {n.name: k for k, n in enumerate(out)}
+    needers = _needers(nodes, fixed)
+    producer = {o: n.name for n in nodes for o in n.output}
+    for name in fixed:
+        if name in needers:
+            first = min(needers[name], key=at.get)
+            between = [m for m in live if at[name] < at[m] < at[first]]
+            assert not between, (name, first, between)
+            before = [m for m in live if at[m] < at[first]]
+            assert all(at[m] < at[name] for m in before), (name, before)
+        else:
+            node = next(n for n in nodes if n.name == name)
+            sources = [at[producer[i]] for i in node.input if i in producer]
+            if sources:
+                between = [m for m in live if max(sources) < at[m] < at[name]]
+                assert not between, (name, between)
+            else:  # read from initializers alone: where it was listed
+                place = [n.name for n in nodes].index(name)
+                listed = {n.name for n in nodes[:place]}
+                assert all((at[m] < at[name]) == (m in listed) for m in live), name
