@@ -22,6 +22,7 @@ MXINT8 storage is `ref.mxint8`.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,13 @@ def round_to(x, precision):
     target = FORMATS[format_name(precision)]
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
         return x
+    return _narrowed(x, jnp.dtype(target).name)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _narrowed(x, target):
+    """x through `target` and back, compiled: one pass and one new array where the two
+    conversions run op by op made two (`probe` rounds every tensor)."""
     return x.astype(target).astype(x.dtype)
 
 
@@ -280,6 +288,12 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     return [read(v) for v in jaxpr.outvars]
 
 
+# operations that only move or copy values: their result holds their operand's values, already
+# in the format when nothing is kept in float32, and rounding it again changes nothing
+_MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+                    "rev", "copy", "copy_p"})  # fmt: skip
+
+
 def _results(eqn, ins, outs, precision, path, probing):
     """An operation's results as the device stores them: each float one rounded, unless
     `places` keeps it in float32; recorded by `sink` when given (`_eval`)."""
@@ -294,7 +308,8 @@ def _results(eqn, ins, outs, precision, path, probing):
         if places is not None and o.size:
             name, ordinal = places.place(path, eqn.primitive.name)
             kept = places.kept(name, eqn.primitive.name, ordinal)
-        if not kept:
+        exact = eqn.primitive.name in _MOVES and places is not None and not places.keep
+        if not kept and not exact:
             o = round_to(o, precision)
         if sink is not None and o.size:
             if operands is None:

@@ -319,20 +319,29 @@ def _shrunk(info: TensorInfo, size: int) -> NoReturn:
     _fail(info.file, f"file is {size} bytes, shorter than when its header was read", info.name)
 
 
-def read_tensor(info: TensorInfo, *, mapped: bool = True) -> np.ndarray:
+def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None = None):
     """One tensor, bit-exact: memory-mapped read-only (pages are read when touched), or with
     mapped=False read into a private buffer (no page of the file stays mapped: touched pages
-    of a mapping count in the process's resident memory until the mapping goes)."""
+    of a mapping count in the process's resident memory until the mapping goes): `out` when
+    given (a C-contiguous array of the tensor's dtype and shape, reused from tensor to
+    tensor, so no fresh page is touched), else a new one."""
     dt = _readable(info)
+    if out is not None:
+        mapped = False
+        if out.dtype != dt or out.shape != tuple(info.shape) or not out.flags.c_contiguous:
+            raise ValueError(
+                f"{info.name}: out is {out.dtype}{list(out.shape)}, needs a C-contiguous "
+                f"{dt}{list(info.shape)}"
+            )
     if info.nbytes == 0:
-        return np.zeros(info.shape, dt)
+        return np.zeros(info.shape, dt) if out is None else out
     with open_regular(info.file) as f:
         st = os.fstat(f.fileno())
         if info.offset + info.nbytes > st.st_size:
             # Mapping past the end would fault (SIGBUS) on first touch.
             _shrunk(info, st.st_size)
         if not mapped:
-            out = np.empty(info.shape, dt)
+            out = np.empty(info.shape, dt) if out is None else out
             view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
             while done < info.nbytes:
                 n = os.preadv(f.fileno(), [view[done:]], info.offset + done)

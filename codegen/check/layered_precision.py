@@ -90,14 +90,14 @@ def _exact(g, feed, spill):
     """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones
     `layerwise.spilled` to the folder `spill`)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
-    got, calls = {}, []
+    got, calls, buffers, compiled = {}, [], lw.Buffers(), lw.Compiled()
 
     def hook(module, kind, slot, arrays):
         k = len(calls)
         calls.append(k)
         arrays = [jax.device_put(graphs.drawn(a)) for a in arrays]
-        params = lw.layer_weights(names, checkpoint, module)
-        made, out_map, tree = slot.results([*arrays, *params])
+        params = lw.layer_weights(names, checkpoint, module, buffers)
+        made, out_map, tree = compiled.results(kind, slot, [*arrays, *params])
         del params
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         for n, v in zip(g.call_names(k), made, strict=True):
@@ -268,7 +268,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
     weights as MXFP6 with element `mxfp6` holds them, when given; the tensors `keep` names
     (`ref.numerics.Record.key`s) left in float32."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
-    records, errors, calls = [], {}, []
+    records, errors, calls, buffers = [], {}, [], lw.Buffers()
 
     def hook(module, kind, slot, arrays):
         k = len(calls)
@@ -286,7 +286,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
         path = ".".join(module.path)
 
         def run(*concrete):
-            weights = lw.layer_weights(names, checkpoint, module)
+            weights = lw.layer_weights(names, checkpoint, module, buffers)
             weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
             made, _ = numerics.probe(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,

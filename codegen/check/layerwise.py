@@ -18,9 +18,11 @@ scores stay near `SCORE_BYTES` at any context length.
 
 import ctypes
 import dataclasses
+import gc
 import mmap
 import os
 import re
+import sys
 import tempfile
 import time
 
@@ -146,19 +148,94 @@ def layer_names(names, module):
     return [_checkpoint_name(names, module, [k.key for k in path]) for path, _ in flat]
 
 
-def layer_arrays(names, checkpoint, module):
+class Buffers:
+    """Aligned buffers reused from layer to layer by one pass over a graph's layers: a fresh
+    page costs this machine's kernel about 0.5 ns a byte to hand out, so a 31B layer's
+    weights (1 GB of bfloat16 read, 2 GB of float32) cost a second of system time a layer
+    when each layer's arrays were new. A buffer is handed out again only when no array made
+    from it is alive (its reference count: every view's base is the buffer), so an array
+    `jax.device_put` shares (a jax array keeps it until collected) is never overwritten."""
+
+    def __init__(self):
+        self.owned, self.base = [], []
+
+    def _refs(self, i):
+        return sys.getrefcount(self.owned[i])
+
+    def _free(self, size):
+        """Indices of the buffers of at least `size` bytes that no array uses."""
+        return [i for i in range(len(self.owned))
+                if len(self.owned[i]) >= size and self._refs(i) <= self.base[i]]  # fmt: skip
+
+    def reclaim(self):
+        """Collect garbage when a buffer is still in use: the jax arrays of a layer that has
+        run let their buffers go only when collected (a reference cycle)."""
+        if len(self._free(0)) < len(self.owned):
+            gc.collect()
+
+    def empty(self, shape, dtype, align=64):
+        """An uninitialised C-contiguous array of `shape` and `dtype` (aligned as
+        `graphs.aligned_empty`), in the smallest free buffer that holds it, else a new one."""
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + align
+        free = self._free(size)
+        if free:
+            buf = self.owned[min(free, key=lambda i: len(self.owned[i]))]
+        else:
+            self.owned.append(np.empty(size, np.uint8))
+            self.base.append(self._refs(len(self.owned) - 1))
+            buf = self.owned[-1]
+        start = -buf.ctypes.data % align
+        return buf[start : start + size - align].view(dtype).reshape(shape)
+
+    def read(self, checkpoint, name, dtype=np.float32):
+        """Checkpoint tensor `name` as `dtype` in one of the buffers (read into another one
+        first when it is stored in another type)."""
+        info = checkpoint.tensors[name]
+        out = self.empty(info.shape, dtype)
+        if info.np_dtype == out.dtype:
+            return checkpoint.read(name, out=out)
+        out[...] = checkpoint.read(name, out=self.empty(info.shape, info.np_dtype))
+        return out
+
+
+class Compiled:
+    """Each layer kind's results (`graphs._Slot.results`) compiled once (`jax.jit`) for one
+    pass over a graph's layers. Run op by op, `ref.layers.linear`'s `weight.T` was a
+    transposed copy of every weight (2 GB of fresh pages a 31B layer); compiled, the matmuls
+    read the weights as they are. Layers of one kind share structure and static inputs
+    (`graphs.route_layers` checks), so the first call's trace serves them all."""
+
+    def __init__(self):
+        self.fns = {}
+
+    def results(self, kind, slot, arrays):
+        """slot.results(arrays) → (distinct results, out_map, outputs' tree)."""
+        if kind not in self.fns:
+            found = {}
+
+            def body(*a):
+                distinct, found["map"], found["tree"] = slot.results(list(a))
+                return distinct
+
+            self.fns[kind] = (jax.jit(body), found)
+        fn, found = self.fns[kind]
+        made = jax.block_until_ready(fn(*arrays))  # its weights' buffers are then free
+        return made, found["map"], found["tree"]
+
+
+def layer_arrays(names, checkpoint, module, buffers=None):
     """The bound layer's parameters read from the shards as float32 numpy arrays, in leaf
-    order, each `aligned` (so `jax.device_put` shares it: one copy serves `ref` and
-    onnxruntime; `np.asarray` of a jax array would copy)."""
-    return [
-        aligned(checkpoint.read(n, mapped=False), dtype=np.float32)
-        for n in layer_names(names, module)
-    ]
+    order, each aligned (so `jax.device_put` shares it: one copy serves `ref` and
+    onnxruntime; `np.asarray` of a jax array would copy), in `buffers` (a `Buffers`) when
+    given, else new ones."""
+    buffers = buffers or Buffers()
+    buffers.reclaim()
+    return [buffers.read(checkpoint, n) for n in layer_names(names, module)]
 
 
-def layer_weights(names, checkpoint, module):
-    """The bound layer's parameters read from the shards as float32 jax arrays."""
-    return [jax.device_put(a) for a in layer_arrays(names, checkpoint, module)]
+def layer_weights(names, checkpoint, module, buffers=None):
+    """The bound layer's parameters read from the shards as float32 jax arrays (`layer_arrays`)."""
+    return [jax.device_put(a) for a in layer_arrays(names, checkpoint, module, buffers)]
 
 
 def gather_rows(names, checkpoint):
@@ -278,7 +355,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     runner = Runner(model, folder, feed, spec.head, checkpoint)
     worst = Worst()
     names = spec.weights
-    calls = []
+    calls, buffers, compiled = [], Buffers(), Compiled()
     started = time.perf_counter()
 
     def check(module, kind, slot, arrays):
@@ -286,9 +363,9 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         given = [graphs.drawn(a) for a in arrays]  # a `Drawn` cache: drawn for this layer
         arrays = [jax.device_put(g) if isinstance(a, graphs.Drawn) else a
                   for a, g in zip(arrays, given, strict=True)]  # fmt: skip
-        host = layer_arrays(names, checkpoint, module)
+        host = layer_arrays(names, checkpoint, module, buffers)
         params = [jax.device_put(a) for a in host]
-        made, out_map, tree = slot.results([*arrays, *params])
+        made, out_map, tree = compiled.results(kind, slot, [*arrays, *params])
         if any(src == "in" and j >= len(arrays) for src, j in out_map):
             raise LayerwiseError(f"layer {k} ({kind}) returns one of its weights")
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
