@@ -1,0 +1,82 @@
+"""`codegen.check.layerwise.Buffers`: layer weights read into reused buffers, never into one an
+array still uses; `weights.read_tensor(out=)`."""
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import weights
+from codegen.check.layerwise import Buffers
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+
+
+@st.composite
+def layers(draw):
+    """[[(name, array)] per layer]: 2–4 layers of 1–3 tensors each, shapes and stored types
+    drawn, values standard normal."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    out = []
+    for k in range(draw(st.integers(2, 4))):
+        tensors = []
+        for j in range(draw(st.integers(1, 3))):
+            shape = tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)))
+            dtype = draw(st.sampled_from(DTYPES))
+            tensors.append((f"l{k}.w{j}", rng.standard_normal(shape).astype(dtype)))
+        out.append(tensors)
+    return out
+
+
+def _checkpoint(tmp_path, drawn):
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    weights.write_safetensors(folder / "model.safetensors",
+                              {n: a for layer in drawn for n, a in layer})  # fmt: skip
+    (folder / "config.json").write_text(json.dumps({"model_type": "test"}))
+    return weights.open_checkpoint(folder)
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers(), st.lists(st.booleans(), min_size=4, max_size=4))
+def test_buffers_are_reused_only_when_no_array_uses_them(tmp_path_factory, drawn, hold):
+    """Each layer read through one `Buffers` equals the checkpoint's values as float32, and
+    the arrays of a layer that are still held — as they are, as a transposed view, or shared
+    by a jax array — keep their values while later layers are read; reading the layers again
+    with nothing held allocates no new buffer. Fails when a buffer in use is handed out again
+    (the reference count not checked) and when a free one is not reused."""
+    ckpt = _checkpoint(tmp_path_factory.mktemp("b"), drawn)
+    buffers, held = Buffers(), []
+    for k, layer in enumerate(drawn):
+        got = [buffers.read(ckpt, n) for n, _ in layer]
+        for (n, a), g in zip(layer, got, strict=True):
+            assert g.dtype == np.float32 and g.flags.c_contiguous and g.ctypes.data % 64 == 0
+            np.testing.assert_array_equal(g, a.astype(np.float32), err_msg=n)
+        if hold[k]:
+            for j, (g, (_, a)) in enumerate(zip(got, layer, strict=True)):
+                want = a.astype(np.float32)
+                held.append([(g, want), (g.T, want.T), (jax.device_put(g), want)][j % 3])
+        del got, g
+    assert all(np.array_equal(np.asarray(h), want) for h, want in held)
+    del held
+    buffers.reclaim()
+    owned = len(buffers.owned)
+    for layer in drawn:
+        got = [buffers.read(ckpt, n) for n, _ in layer]
+        del got
+        buffers.reclaim()
+    assert len(buffers.owned) == owned
+
+
+def test_read_into_a_wrong_buffer_is_refused(tmp_path):
+    """`out` of another dtype, shape or layout is refused, naming the tensor and both."""
+    ckpt = _checkpoint(tmp_path, [[("t", np.ones((3, 4), np.float32))]])
+    np.testing.assert_array_equal(ckpt.read("t", out=np.empty((3, 4), np.float32)), 1.0)
+    for bad in (np.empty((4, 3), np.float32), np.empty((3, 4), np.float16),
+                np.empty((4, 3), np.float32).T):  # fmt: skip
+        with pytest.raises(ValueError, match=r"t: out is .*needs a C-contiguous float32\[3, 4\]"):
+            ckpt.read("t", out=bad)
