@@ -103,6 +103,32 @@ def _fast_stat_nodes(name):
     ]
 
 
+_MOVES = frozenset(
+    {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Identity"}
+)
+
+
+def moves(model, inputs, made, keep):
+    """The node results (of `made`) that only move or copy values already in the format: made
+    by a Transpose, Reshape, … whose float operands are rounded (graph inputs, node results a
+    plan does not keep, other such moves), so the device's rounding of them changes nothing
+    and their statistics are their operands': neither is added (a 31B layer's transposed
+    weights were 2 GB rounded and read again). A move of a kept or initializer value is
+    rounded as any other result."""
+    keep = set(keep)
+    rounded = set(inputs) | (set(made) - keep)
+    floats = set(inputs) | set(made)
+    floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    out = set()
+    for node in model.graph.node:
+        results = [o for o in node.output if o]
+        if node.op_type not in _MOVES or not all(o in rounded for o in results):
+            continue
+        if all(i in rounded or i not in floats for i in node.input if i):
+            out.update(results)
+    return out
+
+
 def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset()):
     """The exported graph as the device computes it: functions inlined, every float32 input
     and node result rounded to `precision` by a Cast pair — but the node results named in
@@ -114,6 +140,8 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     probed tensor names in node order, the names of their scalar outputs)."""
     model = inline(model)
     inputs, made = float_tensors(model)
+    moved = moves(model, inputs, made, keep)
+    made = [n for n in made if n not in moved]
     to = _ONNX_TYPES[precision]
     graph = model.graph
     renamed = {name: f"{name}/exact" for name in inputs}
@@ -264,6 +292,7 @@ def first_nonfinite_onnx(stats, names, producers):
 def first_nonfinite_name(stats, names, producers):
     """The name `first_nonfinite_onnx` describes, or None."""
     finite = {n: st[2] for n, st in stats.items()}
+    seen = _finite_or_moved(finite, producers)
     readers = {}
     for node in {id(n): n for n in producers.values()}.values():
         for i in node.input:
@@ -276,11 +305,24 @@ def first_nonfinite_name(stats, names, producers):
         nan = stats[name][1]
         if node.op_type == "Constant" and not nan:
             continue
-        if nan or (
-            not finite[name] and not clamped and all(finite.get(i, True) for i in node.input)
-        ):
+        if nan or (not finite[name] and not clamped and all(seen(i) for i in node.input)):
             return name
     return None
+
+
+def _finite_or_moved(finite, producers):
+    """seen(name): whether the tensor `name` is all finite as far as the statistics tell — a
+    `moves` result (not probed) as the operand it moves, an unprobed value as finite."""
+
+    def seen(name):
+        while name not in finite:
+            node = producers.get(name)
+            if node is None or node.op_type not in _MOVES:
+                return True
+            name = node.input[0]
+        return finite[name]
+
+    return seen
 
 
 def formats(precision, kv_dtype):

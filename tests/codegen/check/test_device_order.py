@@ -1,6 +1,7 @@
 """`codegen.check.device_graph.at_first_use`: the device graph's node order, which sets what
 onnxruntime holds at once (`PRIORITY_BASED` runs the ready node listed first first)."""
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper
@@ -90,3 +91,56 @@ def test_weight_chains_run_just_before_their_first_reader(drawn):
                 place = [n.name for n in nodes].index(name)
                 listed = {n.name for n in nodes[:place]}
                 assert all((at[m] < at[name]) == (m in listed) for m in live), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-1e5, 1e5, width=32), min_size=6, max_size=6),
+    st.lists(st.floats(-8e4, 8e4, width=32), min_size=6, max_size=6),
+    st.sampled_from([0.5, 3.0]),
+    st.booleans(),
+)
+def test_moves_of_rounded_values_are_neither_rounded_nor_probed(xs, ws, c, keep):
+    """`device_graph` leaves a Transpose/Reshape of a rounded value unrounded and unprobed
+    (`moves`), and rounds one of a float32 value (a kept result, an initializer): the graph's
+    output equals numpy's device model step by step. Graph: y = x·c (kept or not), t = yᵀ,
+    u = wᵀ (w an initializer), v = reshape(u), z = t + v. Fails when a kept operand's move is
+    left unrounded, or an initializer's."""
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from codegen.check.device_graph import device_graph
+
+    x = np.asarray(xs, np.float32).reshape(2, 3)
+    w = np.asarray(ws, np.float32).reshape(3, 2)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["x", "c"], ["y"]),
+            helper.make_node("Transpose", ["y"], ["t"], perm=[1, 0]),
+            helper.make_node("Transpose", ["w"], ["u"], perm=[1, 0]),
+            helper.make_node("Reshape", ["u", "shape"], ["v"]),
+            helper.make_node("Add", ["t", "v"], ["z"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 2])],
+        initializer=[
+            helper.make_tensor("c", TensorProto.FLOAT, [], [c]),
+            helper.make_tensor("w", TensorProto.FLOAT, [3, 2], w.ravel().tolist()),
+            helper.make_tensor("shape", TensorProto.INT64, [2], [3, 2]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m, names, _ = device_graph(model, "float16", {"y"} if keep else set(), stats=False)
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    (z,) = session.run(["z"], {"x": x})
+
+    def r(a):
+        return a.astype(np.float16).astype(np.float32)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = r(x) * np.float32(c)
+        t = r((y if keep else r(y)).T)
+        want = r(t + r(w.T).reshape(3, 2))
+    np.testing.assert_array_equal(z, want)
+    assert ("t" in names) == keep and "u" in names and "v" not in names
