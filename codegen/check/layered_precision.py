@@ -80,7 +80,11 @@ def ref_first(spec, model, checkpoint, precision, mxfp6, log):
     g = _graph(spec, model, checkpoint)
 
     def first(feed, keep):
-        _, records = _ref_device(g, feed, precision, None, None, log, mxfp6, keep)
+        records = []
+        try:
+            _ref_device(g, feed, precision, None, None, log, mxfp6, keep, records)
+        except _Overflow:  # at the first layer boundary after it: the rest cannot come first
+            pass
         return numerics.first_nonfinite(records)
 
     return first
@@ -263,12 +267,19 @@ def _param_avals(names, checkpoint, module):
     ]
 
 
-def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
+def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None):
     """Pass 3: ({output: relative error} (none when `exact` is None), records); the matmul
     weights as MXFP6 with element `mxfp6` holds them, when given; the tensors `keep` names
-    (`ref.numerics.Record.key`s) left in float32."""
+    (`ref.numerics.Record.key`s) left in float32. stop: a list the records go to, and the run
+    stops (`_Overflow`) at the first layer call reached once one of them turned non-finite
+    (a plan's pairing reads only the first)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
-    records, errors, calls, buffers = [], {}, [], lw.Buffers()
+    records = [] if stop is None else stop
+    errors, calls, buffers = {}, [], lw.Buffers()
+
+    def stopping():
+        if stop is not None and numerics.first_nonfinite(records) is not None:
+            raise _Overflow("ref")
 
     def hook(module, kind, slot, arrays):
         k = len(calls)
@@ -286,6 +297,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
         path = ".".join(module.path)
 
         def run(*concrete):
+            stopping()
             weights = lw.layer_weights(names, checkpoint, module, buffers)
             weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
             made, _ = numerics.probe(
@@ -299,6 +311,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=()):
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
             made = g.released(k, made)
             give_back()
+            stopping()
             return made
 
         made = host_call(run, avals, *arrays)
