@@ -22,7 +22,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import onnx
 
 from codegen import graphs
 from codegen.check import layerwise as lw
@@ -32,11 +31,12 @@ from codegen.check.device_graph import (
     device_graph,
     first_nonfinite_name,
     first_nonfinite_onnx,
-    inline,
     layer_peaks,
     stats_of,
 )
 from codegen.check.head_slices import head_rows
+from codegen.check.layer_buffers import Buffers, Compiled
+from codegen.check.plan_file import call_ordinals, producers_of, segment_keep, whole_names
 from codegen.folder.sessions import give_back
 from ref import numerics, validate
 from ref.gemma4.step import Logits
@@ -94,7 +94,7 @@ def _exact(g, feed, spill):
     """Pass 1: {graph output: float32 `ref` value}, layer by layer (large ones
     `layerwise.spilled` to the folder `spill`)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
-    got, calls, buffers, compiled = {}, [], lw.Buffers(), lw.Compiled()
+    got, calls, buffers, compiled = {}, [], Buffers(), Compiled()
 
     def hook(module, kind, slot, arrays):
         k = len(calls)
@@ -132,13 +132,8 @@ class _OnnxProbe:
         self.peak = max([self.peak, *(st[0] for n, st in stats.items() if n not in kept)])
         if self.bad is not None:
             return
-        producers = _producers(model)
+        producers = producers_of(model)
         self.bad = first_nonfinite_onnx(_known(stats, feed), names, producers)
-
-
-def _producers(segment):
-    """{value name: the node making it} of the inlined `segment`."""
-    return {o: n for n in inline(segment).graph.node for o in n.output}
 
 
 def _known(stats, feed):
@@ -168,27 +163,6 @@ class _Overflow(Exception):
     """Raised by `_FirstOverflow` to stop a run at the first non-finite tensor."""
 
 
-def call_ordinals(model):
-    """{function call node's name: its place (1, 2, …) among the graph's function calls}: the
-    N of the "__N" suffix onnx's inliner gives the values of that call."""
-    functions = {f.name for f in model.functions}
-    calls = [n for n in model.graph.node if n.op_type in functions]
-    return {n.name: i for i, n in enumerate(calls, start=1)}
-
-
-def whole_names(segment, inlined, ordinals):
-    """{a value's name in the inlined `segment` (`inlined`: its value names): its name in the
-    whole graph inlined} for the values of the segment's layer call (named "…__1" there, as
-    its graph's only call, and "…__N" in the whole graph, N = `ordinals[call]`); a glue
-    segment's names are the whole graph's own (empty map)."""
-    calls = [n for n in segment.graph.node if n.name in ordinals]
-    if len(calls) != 1:
-        return {}
-    suffix = f"__{ordinals[calls[0].name]}"
-    top = {o for n in segment.graph.node for o in n.output}
-    return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
-
-
 def _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals):
     """The `segments.Runner` rewrite of pass 2: each segment as the device computes it, its
     matmul weights as MXFP6 when `mxfp6` is given, the plan's nodes `keep` (a list, whole-graph
@@ -202,18 +176,6 @@ def _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals):
     return rewrite
 
 
-def segment_keep(segment, keep, ordinals):
-    """The whole-graph names `keep` as `segment` names them: the plan names values as the whole
-    graph inlined does; a segment names its call's "…__1" (and another call's "…__1" in the
-    plan is not this one's) → frozenset."""
-    if not keep:
-        return frozenset()
-    inlined = _producers(onnx.ModelProto.FromString(segment.SerializeToString()))
-    names = whole_names(segment, inlined, ordinals)
-    mine = {a for a, b in names.items() if b in keep}
-    return frozenset(mine | {n for n in keep if n not in names})
-
-
 class _FirstOverflow:
     """A pass-2 sink for a node-precision plan: the largest finite |x| of the tensors the plan
     leaves rounded, and the first tensor that turns non-finite ((name, op)), which stops the
@@ -224,7 +186,7 @@ class _FirstOverflow:
 
     def __call__(self, model, names, got, feed):
         stats = stats_of(got, names)
-        producers = _producers(model)
+        producers = producers_of(model)
         name = first_nonfinite_name(_known(stats, feed), names, producers)
         whole = whole_names(model, producers, self.ordinals)
         if name is not None:
@@ -275,7 +237,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
     (a plan's pairing reads only the first)."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     records = [] if stop is None else stop
-    errors, calls, buffers = {}, [], lw.Buffers()
+    errors, calls, buffers = {}, [], Buffers()
 
     def stopping():
         if stop is not None and numerics.first_nonfinite(records) is not None:

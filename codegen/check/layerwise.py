@@ -18,11 +18,9 @@ scores stay near `SCORE_BYTES` at any context length.
 
 import ctypes
 import dataclasses
-import gc
 import mmap
 import os
 import re
-import sys
 import tempfile
 import time
 
@@ -33,6 +31,7 @@ import numpy as np
 
 from codegen import graphs
 from codegen.check.head_slices import head_rows
+from codegen.check.layer_buffers import Buffers, Compiled
 from codegen.check.segments import LayerwiseError, Runner
 from codegen.folder.sessions import LIBC, give_back
 from ref.attention import reference
@@ -146,81 +145,6 @@ def layer_names(names, module):
     """The checkpoint names of the bound layer's parameters, in leaf order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(module.variables["params"])
     return [_checkpoint_name(names, module, [k.key for k in path]) for path, _ in flat]
-
-
-class Buffers:
-    """Aligned buffers reused from layer to layer by one pass over a graph's layers: a fresh
-    page costs this machine's kernel about 0.5 ns a byte to hand out, so a 31B layer's
-    weights (1 GB of bfloat16 read, 2 GB of float32) cost a second of system time a layer
-    when each layer's arrays were new. A buffer is handed out again only when no array made
-    from it is alive (its reference count: every view's base is the buffer), so an array
-    `jax.device_put` shares (a jax array keeps it until collected) is never overwritten."""
-
-    def __init__(self):
-        self.owned, self.base = [], []
-
-    def _refs(self, i):
-        return sys.getrefcount(self.owned[i])
-
-    def _free(self, size):
-        """Indices of the buffers of at least `size` bytes that no array uses."""
-        return [i for i in range(len(self.owned))
-                if len(self.owned[i]) >= size and self._refs(i) <= self.base[i]]  # fmt: skip
-
-    def reclaim(self):
-        """Collect garbage when a buffer is still in use: the jax arrays of a layer that has
-        run let their buffers go only when collected (a reference cycle)."""
-        if len(self._free(0)) < len(self.owned):
-            gc.collect()
-
-    def empty(self, shape, dtype, align=64):
-        """An uninitialised C-contiguous array of `shape` and `dtype` (aligned as
-        `graphs.aligned_empty`), in the smallest free buffer that holds it, else a new one."""
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + align
-        free = self._free(size)
-        if free:
-            buf = self.owned[min(free, key=lambda i: len(self.owned[i]))]
-        else:
-            self.owned.append(np.empty(size, np.uint8))
-            self.base.append(self._refs(len(self.owned) - 1))
-            buf = self.owned[-1]
-        start = -buf.ctypes.data % align
-        return buf[start : start + size - align].view(dtype).reshape(shape)
-
-    def read(self, checkpoint, name, dtype=np.float32):
-        """Checkpoint tensor `name` as `dtype` in one of the buffers (read into another one
-        first when it is stored in another type)."""
-        info = checkpoint.tensors[name]
-        out = self.empty(info.shape, dtype)
-        if info.np_dtype == out.dtype:
-            return checkpoint.read(name, out=out)
-        out[...] = checkpoint.read(name, out=self.empty(info.shape, info.np_dtype))
-        return out
-
-
-class Compiled:
-    """Each layer kind's results (`graphs._Slot.results`) compiled once (`jax.jit`) for one
-    pass over a graph's layers. Run op by op, `ref.layers.linear`'s `weight.T` was a
-    transposed copy of every weight (2 GB of fresh pages a 31B layer); compiled, the matmuls
-    read the weights as they are. Layers of one kind share structure and static inputs
-    (`graphs.route_layers` checks), so the first call's trace serves them all."""
-
-    def __init__(self):
-        self.fns = {}
-
-    def results(self, kind, slot, arrays):
-        """slot.results(arrays) → (distinct results, out_map, outputs' tree)."""
-        if kind not in self.fns:
-            found = {}
-
-            def body(*a):
-                distinct, found["map"], found["tree"] = slot.results(list(a))
-                return distinct
-
-            self.fns[kind] = (jax.jit(body), found)
-        fn, found = self.fns[kind]
-        made = jax.block_until_ready(fn(*arrays))  # its weights' buffers are then free
-        return made, found["map"], found["tree"]
 
 
 def layer_arrays(names, checkpoint, module, buffers=None):

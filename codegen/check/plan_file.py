@@ -2,10 +2,13 @@
 (`FP32NodeInstanceNames:`, which compile.sh passes as `-node-precision-info`), and
 GRAPH.npi.ref.json, the same nodes in `ref`'s terms (`ref.numerics.Record.key`s, paired by
 `codegen.check.npi.RefPlan`), which `verify --precision` reads to keep them in float32 on
-`ref`'s side too."""
+`ref`'s side too. A plan names values as the whole graph inlined names them; a layer-by-layer
+run maps them to each segment's own names (`segment_keep`, `whole_names`)."""
 
 import json
 import os
+
+import onnx
 
 from codegen.check.device_graph import inline
 from codegen.folder.sessions import atomic_text
@@ -75,3 +78,41 @@ def folder_plan(folder, graph, model):
     keys = [paired[n] for n in names if n in paired]
     note = f"{graph + SUFFIX}: {len(names)} node(s) in float32, {len(keys)} of them in ref"
     return names, keys, note
+
+
+def producers_of(segment):
+    """{value name: the node making it} of the inlined `segment`."""
+    return {o: n for n in inline(segment).graph.node for o in n.output}
+
+
+def call_ordinals(model):
+    """{function call node's name: its place (1, 2, …) among the graph's function calls}: the
+    N of the "__N" suffix onnx's inliner gives the values of that call."""
+    functions = {f.name for f in model.functions}
+    calls = [n for n in model.graph.node if n.op_type in functions]
+    return {n.name: i for i, n in enumerate(calls, start=1)}
+
+
+def whole_names(segment, inlined, ordinals):
+    """{a value's name in the inlined `segment` (`inlined`: its value names): its name in the
+    whole graph inlined} for the values of the segment's layer call (named "…__1" there, as
+    its graph's only call, and "…__N" in the whole graph, N = `ordinals[call]`); a glue
+    segment's names are the whole graph's own (empty map)."""
+    calls = [n for n in segment.graph.node if n.name in ordinals]
+    if len(calls) != 1:
+        return {}
+    suffix = f"__{ordinals[calls[0].name]}"
+    top = {o for n in segment.graph.node for o in n.output}
+    return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
+
+
+def segment_keep(segment, keep, ordinals):
+    """The whole-graph names `keep` as `segment` names them: the plan names values as the whole
+    graph inlined does; a segment names its call's "…__1" (and another call's "…__1" in the
+    plan is not this one's) → frozenset."""
+    if not keep:
+        return frozenset()
+    inlined = producers_of(onnx.ModelProto.FromString(segment.SerializeToString()))
+    names = whole_names(segment, inlined, ordinals)
+    mine = {a for a, b in names.items() if b in keep}
+    return frozenset(mine | {n for n in keep if n not in names})

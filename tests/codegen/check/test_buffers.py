@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weights
-from codegen.check.layerwise import Buffers
+from codegen.check.layer_buffers import Buffers
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 
