@@ -9,7 +9,8 @@ float32 dot rounded, 12,800 of 12,800 values), and an elementwise op is IEEE-rou
 or a softmax is not one operation in the exported graph: `x·x`, its mean, the `rsqrt`, the
 `exp`, each is a tensor, each rounded — so `x·x` of an RMSNorm overflows float16 once
 |x| > 255.9, whatever `ref.layers.rms_norm` does in float32 when called on float16 arrays. A
-mean is one operation (the graph's ReduceMean), so the sum inside it is not a tensor (`_means`).
+mean is one operation (the graph's ReduceMean), so the sum inside it is not a tensor
+(`jaxpr_facts.means`).
 `emulate` applies this model to the jaxpr of the float32 function, operation by operation;
 running `ref` on float16 arrays instead would keep its float32 islands (`rms_norm`, the vision
 pooling and standardize, `attend`'s softmax) that a graph-level conversion does not have.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from ref import formats, validate
+from ref import formats, jaxpr_facts, validate
 from ref.mxint8 import mxint8_round_trip
 
 FORMATS = {name: getattr(jnp, name) for name in formats.COMPUTE}
@@ -152,59 +153,20 @@ def _is_float(x):
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def _last_uses(jaxpr):
-    """{var: index of the last equation reading it}; the jaxpr's outputs are read at the end."""
-    last = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, core.Literal):
-                last[v] = i
-    for v in jaxpr.outvars:
-        if not isinstance(v, core.Literal):
-            last[v] = len(jaxpr.eqns)
-    return last
-
-
-def _means(jaxpr):
-    """Indices of the equations that make a mean's sum: a `reduce_sum` read only (through
-    `broadcast_in_dim`/`reshape` alone) by a `div` by its element count, a literal. The
-    exported graph computes that mean as one ReduceMean (jax2onnx lowers `jnp.mean` so), which
-    the device accumulates at float32 and rounds once: its sum is no tensor there, so it is
-    neither rounded nor recorded here (an RMSNorm's sum of squares of a [.., 1536] row passes
-    65,504 long before its mean does)."""
-    readers, outs = {}, {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, core.Literal):
-                readers.setdefault(v, []).append(i)
-
-    def only_reader(v):
-        found = readers.get(v, [])
-        return None if v in outs or len(found) != 1 else found[0]
-
-    means = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != "reduce_sum":
-            continue
-        shape = eqn.invars[0].aval.shape
-        count = int(np.prod([shape[a] for a in eqn.params["axes"]]))
-        chain, v, j = [i], eqn.outvars[0], only_reader(eqn.outvars[0])
-        while j is not None and jaxpr.eqns[j].primitive.name in ("broadcast_in_dim", "reshape"):
-            chain.append(j)
-            v = jaxpr.eqns[j].outvars[0]
-            j = only_reader(v)
-        if j is None:
-            continue
-        div = jaxpr.eqns[j]
-        by = div.invars[1]
-        if (div.primitive.name == "div" and div.invars[0] is v and isinstance(by, core.Literal)
-                and np.ndim(by.val) == 0 and float(by.val) == count):  # fmt: skip
-            means.update(chain)
-    return means
-
-
 def _all_finite(x):
+    """Whether every value of x is finite (True for a non-float x); traced for a traced x
+    (`ref.probe_jit`)."""
+    if isinstance(x, jax.core.Tracer):
+        return jnp.all(jnp.isfinite(x)) if _is_float(x) else True
     return not _is_float(x) or validate.all_finite(x)
+
+
+def _all(flags):
+    """all(flags), traced when one of them is."""
+    flags = list(flags)
+    if any(isinstance(f, jax.core.Tracer) for f in flags):
+        return jnp.all(jnp.stack([jnp.asarray(f) for f in flags]))
+    return all(flags)
 
 
 class _Places:
@@ -231,14 +193,17 @@ class _Places:
         return f"{name}:{primitive}#{ordinal}" in self.keep
 
 
-def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None):
+def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None, moved=None):
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
     is dropped after the last equation reading it. sink: None, or sink(name, primitive,
-    result, inputs_finite, (ordinal, kept)) → whether result is all finite, called per float
-    result of an operation (inputs_finite: every float operand all finite); finite_in: that per
+    result, inputs_finite, (ordinal, kept), values) → whether result is all finite, called per
+    float result of an operation (inputs_finite: every float operand all finite; values: an
+    array holding result's values, `_results`); finite_in: that per
     argument, where known; places: a `_Places` (given with a sink, or to keep tensors in
-    float32: their results are not rounded)."""
+    float32: their results are not rounded); moved: the traced transposes a `dot_general`
+    may read through (`jaxpr_facts.folded`), shared with the bodies evaluated inside."""
     env, finite = {}, {}
+    moved = {} if moved is None else moved
 
     def read(v):
         if isinstance(v, core.Literal):
@@ -253,7 +218,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
         return finite[v]
 
     jaxpr = closed.jaxpr
-    last, means = _last_uses(jaxpr), _means(jaxpr)
+    last, means = jaxpr_facts.last_uses(jaxpr), jaxpr_facts.means(jaxpr)
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = round_to(c, precision)
     for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
@@ -266,18 +231,21 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
         body = _CALLS.get(eqn.primitive.name)
         if body is not None:
             known = None if sink is None else [is_finite(v) for v in eqn.invars]
-            outs = _eval(eqn.params[body], ins, precision, sink, path, known, places)
+            outs = _eval(eqn.params[body], ins, precision, sink, path, known, places, moved)
         elif eqn.primitive is _HOST:
             outs = [
                 round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
                 for o in eqn.params["fn"](*ins)
             ]
-        elif i in means:  # a mean's sum: float32, as the device's ReduceMean (`_means`)
+        elif i in means:  # a mean's sum: float32, as the device's ReduceMean (`jaxpr_facts.means`)
             outs = [eqn.primitive.bind(*ins, **eqn.params)]
         else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            outs = _results(eqn, ins, outs, precision, path, (sink, places, finite, is_finite))
+            operands, params = jaxpr_facts.folded(eqn, ins, moved)
+            made = eqn.primitive.bind(*operands, **params)
+            made = made if eqn.primitive.multiple_results else [made]
+            outs = _results(eqn, ins, made, precision, path, (sink, places, finite, is_finite))
+            if eqn.primitive.name == "transpose" and outs[0] is made[0]:
+                jaxpr_facts.note_transpose(moved, made[0], ins[0], eqn.params["permutation"])
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
         del ins
@@ -292,11 +260,15 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
 # in the format when nothing is kept in float32, and rounding it again changes nothing
 _MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
                     "rev", "copy", "copy_p"})  # fmt: skip
+# moves whose result holds every value of their operand: the same statistics
+_SAME_VALUES = _MOVES - {"slice"}
 
 
 def _results(eqn, ins, outs, precision, path, probing):
     """An operation's results as the device stores them: each float one rounded, unless
-    `places` keeps it in float32; recorded by `sink` when given (`_eval`)."""
+    `places` keeps it in float32; recorded by `sink` when given (`_eval`), with the values
+    to take its statistics from: its operand's, for a move of every value of a rounded one
+    (their extremes are the same, and a transposed weight need not be written out)."""
     sink, places, finite, is_finite = probing
     operands = None
     done = []
@@ -314,8 +286,10 @@ def _results(eqn, ins, outs, precision, path, probing):
         if sink is not None and o.size:
             if operands is None:
                 pairs = zip(eqn.invars, ins, strict=True)
-                operands = all(is_finite(u) for u, x in pairs if _is_float(x))
-            finite[v] = sink(name, eqn.primitive.name, o, operands, (ordinal, kept))
+                operands = _all(is_finite(u) for u, x in pairs if _is_float(x))
+            same = exact and eqn.primitive.name in _SAME_VALUES
+            values = ins[0] if same else o
+            finite[v] = sink(name, eqn.primitive.name, o, operands, (ordinal, kept), values)
         done.append(o)
     return done
 
@@ -364,8 +338,8 @@ def probe(fn, precision, *args, records=None, keep=(), prefix=""):
     closed, out_tree, flat = _traced(fn, args)
     records = [] if records is None else records
 
-    def sink(name, primitive, out, operands_finite, place):
-        values = np.asarray(out, np.float32)
+    def sink(name, primitive, out, operands_finite, place, values):
+        values = np.asarray(values, np.float32)
         lo, hi = float(values.min()), float(values.max())  # NaN when any is (numpy's rule)
         if np.isfinite(lo) and np.isfinite(hi):  # read in place: the common case
             peak, ok, turned = max(hi, -lo), True, False

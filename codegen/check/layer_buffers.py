@@ -8,6 +8,8 @@ import sys
 import jax
 import numpy as np
 
+from ref import numerics
+
 
 class Buffers:
     """Aligned buffers reused from layer to layer by one pass over a graph's layers: a fresh
@@ -62,8 +64,10 @@ class Buffers:
 class Compiled:
     """Each layer kind's results (`graphs._Slot.results`) compiled once (`jax.jit`) for one
     pass over a graph's layers. Run op by op, `ref.layers.linear`'s `weight.T` was a
-    transposed copy of every weight (2 GB of fresh pages a 31B layer); compiled, the matmuls
-    read the weights as they are. Layers of one kind share structure and static inputs
+    transposed copy of every weight (2 GB of fresh pages a 31B layer); compiled through
+    `ref.numerics.emulate` in float32 (the same values: nothing is rounded), each transpose
+    is folded into the matmul that reads it, which XLA:CPU does not do at one row (a decode
+    step). Layers of one kind share structure and static inputs
     (`graphs.route_layers` checks), so the first call's trace serves them all."""
 
     def __init__(self):
@@ -78,7 +82,7 @@ class Compiled:
                 distinct, found["map"], found["tree"] = slot.results(list(a))
                 return distinct
 
-            self.fns[kind] = (jax.jit(body), found)
+            self.fns[kind] = (jax.jit(numerics.emulate(body, "float32")), found)
         fn, found = self.fns[kind]
         made = jax.block_until_ready(fn(*arrays))  # its weights' buffers are then free
         return made, found["map"], found["tree"]

@@ -41,6 +41,7 @@ from codegen.folder.sessions import give_back
 from ref import numerics, validate
 from ref.gemma4.step import Logits
 from ref.numerics import aval, host_call
+from ref.probe_jit import probe_jit
 
 
 @dataclasses.dataclass
@@ -262,7 +263,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
             stopping()
             weights = lw.layer_weights(names, checkpoint, module, buffers)
             weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
-            made, _ = numerics.probe(
+            made, _ = probe_jit(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
                 records=records, prefix=path, keep=keep,
             )  # fmt: skip
@@ -327,8 +328,8 @@ def _head_call(name, checkpoint, precision, records, keep=()):
             parts = []
             for rows in head_rows(checkpoint, name):
                 fn = Logits(cap=module.cap).apply
-                got = numerics.probe(fn, precision, {}, x, rows, records=records,
-                                     prefix="Logits", keep=keep)  # fmt: skip
+                got = probe_jit(fn, precision, {}, x, rows, records=records, prefix="Logits",
+                                keep=keep)  # fmt: skip
                 parts.append(got[0])
             return [jnp.concatenate(parts, axis=-1)]
 

@@ -1,0 +1,112 @@
+"""`numerics.probe` compiled: the device model of a function as one XLA program.
+
+`probe` evaluates a jaxpr operation by operation and reads each tensor on the host: every
+rounding is an array of its own, and every transposed weight an eager copy (a 31B text
+layer: 2 GB of each, seconds a layer). `probe_jit` traces the same evaluation (`numerics`'s
+device model, the same rounding, the same `keep`) and compiles it, with each float tensor's
+statistics — its largest finite |x|, whether it turned non-finite, whether it is all finite
+— as three numbers of one small extra output; the Records are made from those. Equal device
+programs are compiled once (a model's layers of one kind): the key is the traced program's
+text and its own constants, and the traced function's constants are arguments.
+
+fn must be traceable as a whole: no `numerics.host_call` inside (those run Python between
+operations: `probe` them).
+"""
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core
+
+from ref import numerics
+
+_COMPILED = {}
+
+
+# a tensor of at least this many values gets the fast statistics first (`_statistics`)
+LARGE = 1 << 16
+
+
+def _statistics(values, operands_finite):
+    """[largest finite |x| (0 when none), turned non-finite (1/0), all finite (1/0)] of one
+    float tensor's values, traced (the numbers `numerics.probe`'s sink reads on the host) →
+    (that row, all finite). Of LARGE values or more, its max, min and sum first: reductions
+    that fuse with their operand (a select for the finite peak does not: XLA:CPU writes it
+    out, 441 MB for a 31B weight), the whole answer when all three are finite (a NaN or an
+    inf anywhere makes the sum so; XLA:CPU's vectorized max and min may skip a NaN); the
+    rest only when not (`_full`, a conditional)."""
+    a = values.astype(jnp.float32)
+    if a.size < LARGE:
+        return _full(a, operands_finite)
+    hi, lo = jnp.max(a), jnp.min(a)
+    ok = jnp.isfinite(hi) & jnp.isfinite(lo) & jnp.isfinite(jnp.sum(a))
+    fast = jnp.stack([jnp.maximum(hi, -lo), 0.0, 1.0]).astype(jnp.float32)
+    return lax.cond(ok, lambda a: fast, lambda a: _full(a, operands_finite)[0], a), ok
+
+
+def _full(a, operands_finite):
+    """`_statistics`' row of float32 values a, whatever they hold."""
+    a = jnp.abs(a)
+    finite = jnp.isfinite(a)
+    ok = jnp.all(finite)
+    turned = jnp.any(jnp.isnan(a)) | (~ok & operands_finite)
+    peak = jnp.max(jnp.where(finite, a, 0.0), initial=0.0)
+    return jnp.stack([peak, turned, ok]).astype(jnp.float32), ok
+
+
+def _key(closed):
+    """A compiled program's cache key: its text and the bytes of its own constants."""
+    digest = hashlib.sha256()
+    for c in closed.consts:
+        c = np.asarray(c)
+        digest.update(f"{c.dtype}{c.shape}".encode())
+        digest.update(c.tobytes())
+    return str(closed.jaxpr), digest.hexdigest()
+
+
+def _compiled(closed):
+    key = _key(closed)
+    if key not in _COMPILED:
+        _COMPILED[key] = jax.jit(core.jaxpr_as_fun(closed))
+    return _COMPILED[key]
+
+
+def _run(closed, flat, precision, places):
+    """The device model of closed at flat, compiled → (outputs (flat), [(name, primitive,
+    shape, place)] and their statistics [n, k] per float tensor)."""
+    placed = []
+
+    def device(consts, *leaves):
+        stats = []
+
+        def sink(name, primitive, out, operands_finite, place, values):
+            numbers, ok = _statistics(values, operands_finite)
+            placed.append((name, primitive, tuple(out.shape), place))
+            stats.append(numbers)
+            return ok
+
+        body = core.ClosedJaxpr(closed.jaxpr, consts)
+        outs = numerics._eval(body, leaves, precision, sink, places=places)
+        return outs, jnp.stack(stats) if stats else jnp.zeros((0, 3), jnp.float32)
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+    program = jax.make_jaxpr(device)([spec(c) for c in closed.consts], *map(spec, flat))
+    got = _compiled(program)(*closed.consts, *flat)
+    return got[:-1], placed, np.asarray(got[-1])
+
+
+def probe_jit(fn, precision, *args, records=None, keep=(), prefix=""):
+    """As `numerics.probe` (same arguments, same result and Records), compiled."""
+    precision = numerics.format_name(precision)
+    closed, out_tree, flat = numerics._traced(fn, args)
+    records = [] if records is None else records
+    places = numerics._Places(keep, prefix)
+    outs, placed, stats = _run(closed, flat, precision, places)
+    for (name, primitive, shape, place), (peak, turned, *_) in zip(placed, stats, strict=True):
+        records.append(numerics.Record(name, primitive, shape, float(peak), bool(turned), *place))
+    return jax.tree_util.tree_unflatten(out_tree, outs), records

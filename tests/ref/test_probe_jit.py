@@ -1,0 +1,122 @@
+"""`ref.probe_jit`: the device model compiled gives `numerics.probe`'s values and Records, with
+statistics numpy computes from the rounded values, and compiled programs are shared only by
+equal programs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ref import numerics, probe_jit
+from tests.util import examples
+
+ROWS, WIDTH, OUT = 64, 64, 1024  # the weight and the scores hold ≥ probe_jit.LARGE values
+
+
+def _attend(x, w, keep_mask):
+    """A linear with a transposed [OUT, WIDTH] weight, scores masked with −inf, a softmax and
+    a second matmul: x [ROWS, WIDTH], w [OUT, WIDTH], keep_mask [ROWS, OUT] bool → [ROWS,
+    WIDTH]."""
+    scores = jnp.where(keep_mask, x @ w.T, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1) @ w
+
+
+def _f16(a):
+    with np.errstate(over="ignore"):
+        return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _drawn(seed, scale, special):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((ROWS, WIDTH)) * scale).astype(np.float32)
+    w = rng.standard_normal((OUT, WIDTH)).astype(np.float32)
+    mask = rng.random((ROWS, OUT)) < 0.7
+    mask[:, 0] = True
+    if special is not None:
+        x[rng.integers(ROWS), rng.integers(WIDTH)] = special
+    return x, w, mask
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([1.0, 30.0, 3000.0]),
+    st.sampled_from([None, np.inf, -np.inf, np.nan, 7e4]),
+    st.booleans(),
+)
+def test_compiled_probe_gives_the_op_by_op_values_and_records(seed, scale, special, keep):
+    """`probe_jit` against `numerics.probe` on drawn activations (overflowing ones, an inf, a
+    NaN, a value beyond float16 among them) with a transposed weight and a −inf mask: the
+    same result bit for bit and the same Records (names, ordinals, kept, peaks, first
+    non-finite), with and without a plan keeping the scores in float32. Oracle for the
+    statistics: numpy on the rounded first matmul (float32 of the rounded operands, rounded),
+    within one float16 step where XLA's and numpy's accumulation orders part."""
+    x, w, mask = _drawn(seed, scale, special)
+    plan = {":dot_general#0"} if keep else ()
+    want, expected = numerics.probe(_attend, "fp16", x, w, mask, keep=plan)
+    got, records = probe_jit.probe_jit(_attend, "fp16", x, w, mask, keep=plan)
+    assert np.array_equal(np.asarray(got), np.asarray(want), equal_nan=True)
+    assert records == expected
+    first = records[1]  # the transpose is records[0], then the scores' matmul
+    assert (first.primitive, first.kept) == ("dot_general", keep)
+    assert records[0].max_abs == np.abs(_f16(w)).max()
+    scores = _f16(x) @ _f16(w).T
+    scores = scores if keep else _f16(scores)
+    finite = np.isfinite(scores)
+    peak = np.abs(scores[finite]).max() if finite.any() else 0.0
+    assert abs(first.max_abs - peak) <= 2.0**-10 * peak
+    nan_in = special is not None and np.isnan(special)
+    assert first.nonfinite == (nan_in or (not finite.all() and np.isfinite(_f16(x)).all()))
+
+
+def test_programs_are_shared_only_when_equal():
+    """Two functions of one structure whose constants differ, and one function under two
+    plans: each result is its own (the cache key holds the program's constants and its text)."""
+    x, _, _ = _drawn(0, 1.0, None)
+    for c in (2.0, 3.0):
+        row = np.full(WIDTH, c, np.float32)
+
+        def scaled(x, row=row):
+            return x * row
+
+        def literal(x, c=c):
+            return x * c
+
+        for fn in (scaled, literal):
+            got, _ = probe_jit.probe_jit(fn, "fp16", x)
+            assert np.array_equal(np.asarray(got), _f16(_f16(x) * c))
+
+    def widened(x):
+        return x * 1000.0 / 1000.0
+
+    big = np.full(WIDTH, 100.0, np.float32)
+    plain, records = probe_jit.probe_jit(widened, "fp16", big)
+    kept, _ = probe_jit.probe_jit(widened, "fp16", big, keep={records[0].key})
+    assert np.isinf(np.asarray(plain)).all() and np.array_equal(np.asarray(kept), big)
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.permutations(range(4)), st.integers(0, 2**32 - 1))
+def test_a_transpose_read_by_a_matmul_is_folded_into_it_with_the_same_values(stored, seed):
+    """A batched matmul reading a transposed [B, K, N1, N2] operand, stored in a drawn
+    dimension order: traced through `numerics.emulate` (float32: nothing rounded), the
+    transpose is folded into the matmul where its two free dimensions keep their order, and
+    the result is jnp's within float32 rounding. Oracle: numpy's einsum."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    w = rng.standard_normal((2, 5, 4, 6)).astype(np.float32)
+    kept = np.transpose(w, stored)
+    back = tuple(int(i) for i in np.argsort(stored))
+
+    def fn(x, kept):
+        operand = jnp.transpose(kept, back)
+        return jax.lax.dot_general(x, operand, (((2,), (1,)), ((0,), (0,))))
+
+    jaxpr = jax.make_jaxpr(jax.jit(numerics.emulate(fn, "float32")))(x, kept)
+    dots = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    free = [stored.index(2), stored.index(3)]
+    assert (dots[0].invars[1].aval.shape == kept.shape) == (free == sorted(free))
+    got = jax.jit(numerics.emulate(fn, "float32"))(x, kept)
+    want = np.einsum("bmk,bkpq->bmpq", x, w)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
