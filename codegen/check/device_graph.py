@@ -11,6 +11,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper
 
+from codegen.check import weight_reads
 from codegen.folder.sessions import session_at
 from ref import numerics
 
@@ -69,18 +70,20 @@ STATS = ("peak", "nonfinite")  # per probed tensor: max finite |x|, Σ|x| over i
 FAST = ("hi", "lo", "sum")  # per probed tensor, read in place: its max, min and sum
 
 
-def _stat_nodes(name):
+def _stat_nodes(name, values=None):
     """Nodes making `name/peak` (its largest finite |x|; −inf when it has none) and
     `name/nonfinite` (the sum of |x| over its non-finite elements: 0 when all are finite,
     NaN when any is NaN, else inf): float scalars, so a probed tensor is read as two
-    numbers, not held."""
+    numbers, not held. values: the tensor to read them from (one holding name's values),
+    name itself when None."""
+    values = values or name
 
     def node(op, inputs, out, **attrs):
-        ins = [i if i.startswith("stats/") or i == name else f"{name}/{i}" for i in inputs]
+        ins = [i if i.startswith("stats/") or i == values else f"{name}/{i}" for i in inputs]
         return helper.make_node(op, ins, [f"{name}/{out}"], name=f"{name}/{out}", **attrs)
 
     return [
-        node("Abs", [name], "abs"),
+        node("Abs", [values], "abs"),
         node("Less", ["abs", "stats/inf"], "ok"),  # false for ±inf and NaN
         node("Where", ["ok", "abs", "stats/zero"], "finite"),
         node("ReduceMax", ["finite"], "peak", keepdims=0),
@@ -89,16 +92,19 @@ def _stat_nodes(name):
     ]
 
 
-def _fast_stat_nodes(name):
+def _fast_stat_nodes(name, values=None):
     """Nodes making `name/hi`, `name/lo` and `name/sum` (its max, min and sum; an empty
     tensor's are −inf, inf and 0): three reductions that read the tensor in place, where
     `_stat_nodes` makes three tensors of its size. They give `_stat_nodes`' answer whenever
     the tensor is finite (`stats_of`); most tensors of a run are (a layer's mask fill and
     the running maxima that start from it are not: their names are given full statistics).
     Measured on a 31B vision layer (2,520 patches) in the fp16 audit: 5.5 s a layer, where
-    the earlier 12-node statistic on every tensor took 22 s and no statistics 3.3 s."""
+    the earlier 12-node statistic on every tensor took 22 s and no statistics 3.3 s. values:
+    as in `_stat_nodes`."""
     return [
-        helper.make_node(op, [name], [f"{name}/{out}"], name=f"{name}/{out}", keepdims=0)
+        helper.make_node(
+            op, [values or name], [f"{name}/{out}"], name=f"{name}/{out}", keepdims=0
+        )  # fmt: skip
         for op, out in (("ReduceMax", "hi"), ("ReduceMin", "lo"), ("ReduceSum", "sum"))
     ]
 
@@ -144,12 +150,16 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     made = [n for n in made if n not in moved]
     to = _ONNX_TYPES[precision]
     graph = model.graph
+    weights = weight_reads.weight_transposes(model, made, keep)
     renamed = {name: f"{name}/exact" for name in inputs}
     for node in graph.node:
         node.input[:] = [renamed.get(i, i) for i in node.input]
-        node.output[:] = [f"{o}/exact" if o in made else o for o in node.output]
+        node.output[:] = [f"{o}/exact" if o in made and o not in weights else o
+                          for o in node.output]  # fmt: skip
+        if node.op_type == "Transpose" and node.output[0] in weights:
+            node.input[0] = weight_reads.source(node.output[0])
     nodes = list(graph.node)
-    rounding = {}
+    rounding = {t: weight_reads.rounded_weight(t, w, to) for t, w in weights.items()}
     keep = set(keep)
     for name in [n for n in made if n in keep]:
         rounding[name] = [helper.make_node("Identity", [f"{name}/exact"], [name],
@@ -166,13 +176,22 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     def probes(name):
         if not stats:
             return []
-        return _stat_nodes(name) if stats is True or name in full else _fast_stat_nodes(name)
+        values = weight_reads.source(name) if name in weights else None
+        if stats is True or name in full:
+            return _stat_nodes(name, values)
+        return _fast_stat_nodes(name, values)
 
     for node in nodes:
+        weight = node.output[0] if node.op_type == "Transpose" else None
+        if weight in weights:
+            ordered += rounding[weight] + probes(weight)
         ordered.append(node)
         for o in node.output:
             if o.endswith("/exact"):
                 ordered += rounding[o[:-6]] + probes(o[:-6])
+    ordered = weight_reads.gemm_reads(ordered, {o.name for o in graph.output})
+    types = {t.name: t.data_type for t in graph.initializer}
+    ordered = weight_reads.narrowed_casts(ordered, types, to)
     del graph.node[:]
     graph.node.extend(at_first_use(ordered, {t.name for t in graph.initializer}))
     graph.initializer.extend(
