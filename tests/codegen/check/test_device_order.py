@@ -144,3 +144,63 @@ def test_moves_of_rounded_values_are_neither_rounded_nor_probed(xs, ws, c, keep)
         want = r(t + r(w.T).reshape(3, 2))
     np.testing.assert_array_equal(z, want)
     assert ("t" in names) == keep and "u" in names and "v" not in names
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["bfloat16", "float32", "direct"]), st.booleans())
+def test_a_transposed_weight_is_rounded_at_its_source_and_read_by_a_gemm(seed, stored, big):
+    """y = x · Wᵀ with W a bfloat16 initializer widened by a Cast (as the exports read a bf16
+    checkpoint), a float32 one through an Identity, or one transposed directly; values drawn
+    beyond float16's range when `big`. The device graph has no Transpose and reads W by a
+    Gemm, and y equals numpy's device model (W rounded, the product in float32 of the
+    rounded operands, rounded) within one float16 step; the statistics of W's rounding are
+    rounded W's. Fails when the weight is left unrounded."""
+    import ml_dtypes
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from codegen.check.device_graph import device_graph, stats_of
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    w = (rng.standard_normal((5, 8)) * (3e4 if big else 1.0)).astype(np.float32)
+    if stored == "bfloat16":
+        w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+        bits = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+        init = helper.make_tensor("w", TensorProto.BFLOAT16, [5, 8], bits.tobytes(), raw=True)
+        widen = [helper.make_node("Cast", ["w"], ["wf"], to=TensorProto.FLOAT)]
+    else:
+        init = helper.make_tensor("w", TensorProto.FLOAT, [5, 8], w.ravel().tolist())
+        widen = [helper.make_node("Identity", ["w"], ["wf"])]
+    source = "w" if stored == "direct" else "wf"
+    widen = [] if stored == "direct" else widen
+    graph = helper.make_graph(
+        [*widen, helper.make_node("Transpose", [source], ["t"], perm=[1, 0]),
+         helper.make_node("MatMul", ["x", "t"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5])],
+        initializer=[init],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m, names, outputs = device_graph(model, "float16", stats=True)
+    ops = [n.op_type for n in m.graph.node]
+    assert "Gemm" in ops and "Transpose" not in ops and "MatMul" not in ops
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip(["y", *outputs], session.run(["y", *outputs], {"x": x}), strict=True))
+
+    def r(a):
+        with np.errstate(over="ignore"):
+            return a.astype(np.float16).astype(np.float32)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = r(r(x) @ r(w).T)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got["y"]), finite)
+    step = 2.0**-10 * np.abs(want[finite]).max(initial=1.0)
+    assert np.abs(got["y"][finite] - want[finite]).max(initial=0.0) <= step
+    rounded = "t" if stored == "direct" else "wf"  # the direct weight's rounding is t's
+    assert rounded in names
+    peak, _, ok = stats_of(got, [rounded])[rounded]
+    rw = np.abs(r(w))
+    assert ok == np.isfinite(rw).all() and peak == rw[np.isfinite(rw)].max()
