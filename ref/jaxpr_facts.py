@@ -48,7 +48,7 @@ def means(jaxpr):
             chain.append(j)
             v = jaxpr.eqns[j].outvars[0]
             j = only_reader(v)
-        if j is None:
+        if j is None or jaxpr.eqns[j].primitive.name != "div":  # read by one operand alone
             continue
         div = jaxpr.eqns[j]
         by = div.invars[1]
