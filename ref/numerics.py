@@ -198,9 +198,9 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     is dropped after the last equation reading it. sink: None, or sink(name, primitive,
     result, inputs_finite, (ordinal, kept), values) → whether result is all finite, called per
     float result of an operation (inputs_finite: every float operand all finite; values: an
-    array holding result's values, `_results`); finite_in: that per
-    argument, where known; places: a `_Places` (given with a sink, or to keep tensors in
-    float32: their results are not rounded); moved: the traced transposes a `dot_general`
+    array holding result's values, `_results`); finite_in: that per argument, where known;
+    places: a `_Places` (given with a sink, or to keep tensors in float32: their results are
+    not rounded); moved: the traced transposes a `dot_general`
     may read through (`jaxpr_facts.folded`), shared with the bodies evaluated inside."""
     env, finite = {}, {}
     moved = {} if moved is None else moved

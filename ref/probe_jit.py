@@ -76,7 +76,7 @@ def _compiled(closed):
 
 def _run(closed, flat, precision, places):
     """The device model of closed at flat, compiled → (outputs (flat), [(name, primitive,
-    shape, place)] and their statistics [n, k] per float tensor)."""
+    shape, place)] and their statistics [n, 3] per float tensor (`_statistics`))."""
     placed = []
 
     def device(consts, *leaves):

@@ -104,7 +104,7 @@ def _fast_stat_nodes(name, values=None):
     return [
         helper.make_node(
             op, [values or name], [f"{name}/{out}"], name=f"{name}/{out}", keepdims=0
-        )  # fmt: skip
+        )
         for op, out in (("ReduceMax", "hi"), ("ReduceMin", "lo"), ("ReduceSum", "sum"))
     ]
 

@@ -42,11 +42,7 @@ def gemm_reads(nodes, outputs):
     second operand, no graph output — as Gemm(A flattened to rows, S, transB) reshaped to
     A's leading dimensions and S's rows; those Transposes dropped: the same float32
     products, S read in place. outputs: the graph's output names."""
-    readers, made_by = {}, {}
-    for node in nodes:
-        for i in node.input:
-            readers.setdefault(i, []).append(node)
-        made_by.update({o: node for o in node.output})
+    readers, made_by = _index(nodes)
     folded = {
         t: n.input[0] for t, n in made_by.items()
         if n.op_type == "Transpose" and _perm(n) == [1, 0] and t not in outputs
@@ -74,11 +70,7 @@ def narrowed_casts(nodes, initializers, to):
     float32) and the rounding Cast that alone reads it (to `to`) made one Cast from the
     initializer: the same values (measured in onnxruntime on every bfloat16 and float16 bit
     pattern) without the float32 copy. initializers: {name: ONNX element type}."""
-    readers, made_by = {}, {}
-    for node in nodes:
-        for i in node.input:
-            readers.setdefault(i, []).append(node)
-        made_by.update({o: node for o in node.output})
+    readers, made_by = _index(nodes)
     widened = {}
     for node in nodes:
         source = made_by.get(node.input[0]) if node.op_type == "Cast" and node.input else None
@@ -89,6 +81,16 @@ def narrowed_casts(nodes, initializers, to):
             widened[id(source)] = source
             node.input[0] = source.input[0]
     return [n for n in nodes if id(n) not in widened]
+
+
+def _index(nodes):
+    """({value: the nodes reading it, in order}, {value: the node making it}) of `nodes`."""
+    readers, made_by = {}, {}
+    for node in nodes:
+        for i in node.input:
+            readers.setdefault(i, []).append(node)
+        made_by.update({o: node for o in node.output})
+    return readers, made_by
 
 
 def _to(node):
