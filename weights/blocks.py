@@ -9,12 +9,11 @@ of one per run.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from weights.safetensors import TensorInfo, _readable, _shrunk, open_regular, read_tensor
+from weights.safetensors import TensorInfo, _readable, open_regular, pread_into, read_tensor
 
 PAGE = 4096
 SPAN = 1 << 23  # bytes per read of short runs: bounds the scratch buffer
@@ -48,16 +47,6 @@ def _runs(shape, bounds):
     return starts, math.prod(b - a for a, b in bounds[split:])
 
 
-def _pread(f, info: TensorInfo, buffer, offset: int) -> None:
-    """Fill `buffer` from `offset`; Linux reads at most 2 GiB per call, so loop."""
-    done = 0
-    while done < len(buffer):
-        n = os.preadv(f.fileno(), [buffer[done:]], offset + done)
-        if n == 0:
-            _shrunk(info, os.fstat(f.fileno()).st_size)
-        done += n
-
-
 def read_block(info: TensorInfo, index) -> np.ndarray:
     """The block `tensor[index]` of the tensor `info` locates, read from its bytes alone.
 
@@ -76,7 +65,7 @@ def read_block(info: TensorInfo, index) -> np.ndarray:
     with open_regular(info.file) as f:
         if nbytes >= PAGE or len(starts) == 1:
             for j, start in enumerate(starts.tolist()):
-                _pread(f, info, flat[j * nbytes : (j + 1) * nbytes], info.offset + start * size)
+                pread_into(f, info, flat[j * nbytes : (j + 1) * nbytes], info.offset + start * size)
             return out
         pick = np.arange(nbytes)
         j, reach = 0, max(run, SPAN // size) - run  # elements a span reaches past its start
@@ -84,7 +73,7 @@ def read_block(info: TensorInfo, index) -> np.ndarray:
             end = max(j + 1, int(np.searchsorted(starts, starts[j] + reach, side="right")))
             group = starts[j:end] - starts[j]
             span = np.empty((int(group[-1]) + run) * size, np.uint8)
-            _pread(f, info, span, info.offset + int(starts[j]) * size)
+            pread_into(f, info, span, info.offset + int(starts[j]) * size)
             flat[j * nbytes : end * nbytes] = span[group[:, None] * size + pick].reshape(-1)
             j = end
     return out

@@ -7,6 +7,7 @@ where the previous ends and the last ends at the end of the file. The header is
 untrusted input, so every field is checked before any offset is used.
 """
 
+import errno
 import json
 import math
 import mmap
@@ -319,6 +320,42 @@ def _shrunk(info: TensorInfo, size: int) -> NoReturn:
     _fail(info.file, f"file is {size} bytes, shorter than when its header was read", info.name)
 
 
+def _data_spans(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """The spans of [start, end) of file `fd` that hold data (`SEEK_DATA`/`SEEK_HOLE`); a
+    file system that cannot tell has one span, all of it."""
+    spans, at = [], start
+    try:
+        while at < end:
+            data = os.lseek(fd, at, os.SEEK_DATA)
+            if data >= end:
+                break
+            at = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            spans.append((data, at))
+    except OSError as e:  # ENXIO: no data after `at`; EINVAL: holes not reported
+        if e.errno != errno.ENXIO:
+            return [(start, end)]
+    return spans
+
+
+def pread_into(f, info: TensorInfo, buffer: np.ndarray, offset: int) -> None:
+    """Fill the bytes `buffer` (a uint8 array) from file offset `offset` of the open file `f`
+    holding tensor `info`. A hole of a sparse file reads as zeros: it is zeroed here, not
+    read, since the kernel's page cache zero-fills a hole at about 0.6 GB/s on this host
+    (a 31B layer of a sparse checkpoint took 1.5 s of system time a read)."""
+    fd, end, at = f.fileno(), offset + len(buffer), offset
+    if end > os.fstat(fd).st_size:  # a hole past the end is no hole: the file shrank
+        _shrunk(info, os.fstat(fd).st_size)
+    for a, b in _data_spans(fd, offset, end) + [(end, end)]:
+        buffer[at - offset : a - offset] = 0
+        view, done = memoryview(buffer[a - offset : b - offset]), 0
+        while done < b - a:  # Linux reads at most 2 GiB per call
+            n = os.preadv(fd, [view[done:]], a + done)
+            if n == 0:
+                _shrunk(info, os.fstat(fd).st_size)
+            done += n
+        at = b
+
+
 def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None = None):
     """One tensor, bit-exact: memory-mapped read-only (pages are read when touched), or with
     mapped=False read into a private buffer (no page of the file stays mapped: touched pages
@@ -342,12 +379,7 @@ def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None
             _shrunk(info, st.st_size)
         if not mapped:
             out = np.empty(info.shape, dt) if out is None else out
-            view, done = memoryview(out.reshape(-1).view(np.uint8)), 0
-            while done < info.nbytes:
-                n = os.preadv(f.fileno(), [view[done:]], info.offset + done)
-                if n == 0:
-                    _shrunk(info, os.fstat(f.fileno()).st_size)
-                done += n
+            pread_into(f, info, out.reshape(-1).view(np.uint8), info.offset)
             return out
         mapping = _map_file(f, st)
     count = math.prod(info.shape)

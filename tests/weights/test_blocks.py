@@ -62,7 +62,7 @@ def test_long_runs_are_read_exactly(tmp_path, monkeypatch):
     reads = []
     real = os.preadv
     monkeypatch.setattr(
-        blocks.os, "preadv", lambda fd, bufs, off: reads.append(len(bufs[0])) or real(fd, bufs, off)
+        os, "preadv", lambda fd, bufs, off: reads.append(len(bufs[0])) or real(fd, bufs, off)
     )
     got = weights.LazyTensor(weights.read_header(path)["t"])[:, 1024:2048]
     np.testing.assert_array_equal(got, array[:, 1024:2048])
@@ -100,7 +100,7 @@ def test_short_reads_are_continued(tmp_path, monkeypatch):
     path = tmp_path / "t.safetensors"
     weights.write_safetensors(path, {"t": array})
     real = os.preadv
-    monkeypatch.setattr(blocks.os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:7]], off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:7]], off))
     lazy = weights.LazyTensor(weights.read_header(path)["t"])
     np.testing.assert_array_equal(lazy[1:3], array[1:3])
     np.testing.assert_array_equal(lazy[:, 3:5], array[:, 3:5])
