@@ -19,7 +19,7 @@ from onnx import helper
 from codegen import graphs
 from codegen.check.device_graph import Inexact
 from codegen.check.head_slices import head_rows, rows_before_cast, vocab_slices
-from codegen.folder.external import WeightError, onnx_dtype
+from codegen.check.supplied_weights import Supplier, same_bytes
 from codegen.folder.sessions import give_back, session_at
 
 
@@ -139,8 +139,9 @@ class Runner:
         self.full = set()  # names given full statistics (see `rewrite`)
         self.next = 0
         self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
+        self.supplier = None if checkpoint is None else Supplier(folder, checkpoint)
 
-    def _session(self, nodes, needs, makes, weights, feed):
+    def _session(self, nodes, needs, makes, weights, feed, supply=False):
         graph = helper.make_graph(
             rows_before_cast(nodes, set(weights)),
             f"segment_{self.next}",
@@ -159,16 +160,22 @@ class Runner:
         )
         path = os.path.join(self.folder, f".layerwise.{os.getpid()}.onnx")
         if self.rewrite is None:
-            return _Probed(session_at(m, path), m)
+            return _Probed(self._open(m, path, supply), m)
         data = m.SerializeToString()
 
         def rewritten(inexact=()):
             self.full.update(inexact)
             model, *probed = self.rewrite(onnx.ModelProto.FromString(data), frozenset(self.full))
-            return session_at(model, path), *probed
+            return self._open(model, path, supply), *probed
 
         session, names, extra = rewritten()
         return _Probed(session, m, names, extra, self.probe, again=rewritten)
+
+    def _open(self, model, path, supply):
+        """(session, the checkpoint weights it was given: `supplied_weights`, a layer call's
+        only; glue reads its tables, the embedding's of 1–3 GB, by a few rows)."""
+        given = {} if self.supplier is None or not supply else self.supplier.values(model)
+        return session_at(model, path, given), given
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
@@ -177,7 +184,8 @@ class Runner:
         feed = {n: graphs.drawn(feed[n]) for n in seg.needs}
         sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
         if sliced is None or self.checkpoint is None:
-            session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed)
+            session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed,
+                                    seg.layer is not None)  # fmt: skip
             return session.run(seg.makes, {n: feed[n] for n in seg.needs})
         nodes, fed, derived = sliced
         weights = [w for w in seg.weights if w != self.head]
@@ -278,25 +286,6 @@ def released(made, names, outputs, last_use, at):
     )
 
 
-def _same_bytes(tensor, info, folder):
-    """True when initializer `tensor` is external data at exactly checkpoint tensor `info`'s
-    bytes (same file, offset, length, element type and shape)."""
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return False
-    where = {e.key: e.value for e in tensor.external_data}
-    try:
-        place = os.path.realpath(os.path.join(folder, where["location"]))
-        span = (int(where.get("offset", 0)), int(where["length"]))
-        kind = onnx_dtype(info)
-    except (KeyError, ValueError, WeightError):
-        return False
-    return (
-        place == os.path.realpath(info.file)
-        and span == (info.offset, info.nbytes)
-        and (tensor.data_type, tuple(tensor.dims)) == (kind, tuple(info.shape))
-    )
-
-
 def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
     """(the layer call segment `seg` with each weight input the graph reads from the bytes of
     the checkpoint tensor `ref` read for it — the initializer itself if float32, or its Cast
@@ -316,7 +305,7 @@ def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
         elif inits.get(x) is None or inits[x].data_type != onnx.TensorProto.FLOAT:
             continue
         info = tensors.get(name)
-        if source in inits and info is not None and _same_bytes(inits[source], info, folder):
+        if source in inits and info is not None and same_bytes(inits[source], info, folder):
             bound[x] = np.asarray(array)
             dropped.add(id(cast))
     if not bound:
@@ -333,10 +322,11 @@ def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
 class _Probed:
     """A segment's session whose run also hands its extra outputs to `probe`. A probe that
     cannot answer from them (`device_graph.Inexact`: the fast statistics of tensors that are
-    not all finite) makes it run again, and on, as `again(names)` gives it: (session, probed
-    names, extra outputs) of the segment rewritten with full statistics for them."""
+    not all finite) makes it run again, and on, as `again(names)` gives it: (opened, probed
+    names, extra outputs) of the segment rewritten with full statistics for them. opened:
+    (session, the weights given to it, kept alive with it)."""
 
-    session: object
+    opened: tuple
     model: object
     names: tuple = ()
     extra: tuple = ()
@@ -345,12 +335,12 @@ class _Probed:
 
     def run(self, names, feed):
         if not self.extra:
-            return self.session.run(names, feed)
+            return self.opened[0].run(names, feed)
         wanted = [*names, *self.extra]
-        got = dict(zip(wanted, self.session.run(wanted, feed), strict=True))
+        got = dict(zip(wanted, self.opened[0].run(wanted, feed), strict=True))
         try:
             self.probe(self.model, self.names, {n: got[n] for n in self.extra}, feed)
         except Inexact as e:  # from here on, with full statistics for those tensors
-            self.session, self.names, self.extra = self.again(e.names)
+            self.opened, self.names, self.extra = self.again(e.names)
             return self.run(names, feed)
         return [got[n] for n in names]

@@ -71,10 +71,14 @@ def _fixed_mmap_threshold():
         LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES)
 
 
-def session_at(model, path):
+def session_at(model, path, initializers=None):
     """An onnxruntime CPU session on the in-memory `model`, written at `path` for as long as
-    loading takes (its external data resolves beside it) and removed after."""
+    loading takes (its external data resolves beside it) and removed after; initializers:
+    {name: (OrtValue, the array it may share)} used instead of the model's own (the caller
+    keeps the arrays alive with the session)."""
     opts = options()
+    for name, (value, _) in (initializers or {}).items():
+        opts.add_initializer(name, value)
     # no constant folding: folding a weight's Cast holds the checkpoint's bytes, the float32
     # result and a serialized copy of it at once (31B layer: +4.2 GB → +3.1 GB, and faster);
     # unfolded, each Cast runs when the graph reaches it
