@@ -45,6 +45,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,16 +131,64 @@ def run_export(model, out, args, log, extra=()):
     return child(cmd, log)
 
 
-def child(cmd, log):
+def child(cmd, log, box=None):
     """Run cmd in the repository root with output to `log`; -> (exit code, wall s, peak RSS
-    bytes of that one process)."""
+    bytes of that one process). box: a dict given the child's "pid" once it runs."""
     with open(log, "wb") as f:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        if box is not None:
+            box["pid"] = proc.pid
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     return proc.returncode, wall, usage.ru_maxrss * 1024
+
+
+def tree_child(cmd, log, every=0.5):
+    """`child`, with the memory of the process and every process it starts summed: ->
+    (exit code, wall s, peak RSS bytes of the largest one process, peak of the processes'
+    summed proportional set size (`tree_pss`), sampled every `every` s)."""
+    peak, box = [0], {}
+
+    def sample():
+        while "done" not in box:
+            if "pid" in box:
+                peak[0] = max(peak[0], tree_pss(box["pid"]))
+            time.sleep(every)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    rc, wall, rss = child(cmd, log, box)
+    box["done"] = True
+    sampler.join()
+    return rc, wall, rss, peak[0]
+
+
+def tree_pss(pid):
+    """Bytes of proportional set size (`/proc/PID/smaps_rollup`: shared pages split among
+    their sharers) of process pid and its descendants; 0 for those already gone."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += [c for c, parent in parents.items() if parent == p]
+    total = 0
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except OSError:
+            continue
+    return total
 
 
 def check_links(model, out, manifest):

@@ -21,7 +21,10 @@ standardize step, wall seconds and peak RSS (`os.wait4`) of each run.
 Goal (issue 23): the plain export is refused naming the standardize subtraction; the clipped
 one passes; each run in bounded memory on a 24 GB host (issue 41: each in ≤ 15 min and
 ≤ 8 GB). `--plan` instead writes the plain export's node-precision plan and checks it;
-`--whole-model` audits the whole model at the issue's shapes (sparse text layers).
+`--whole-model` audits the whole model at the issue's shapes (sparse text layers); `verify
+--precision` checks each graph in a process of its own there, so memory is also reported as
+the peak of all the processes' summed proportional set size (`tree_pss`, sampled twice a
+second), and the goal is judged on the larger of the two figures.
 
     python benchmarks/precision_full_size.py [--model 31B] [--budget 280]
         [--feature-scale 400] [--plan | --whole-model] [--keep DIR]
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from export_weight_free import child, write_sparse_checkpoint  # noqa: E402
+from export_weight_free import child, tree_child, write_sparse_checkpoint  # noqa: E402
 from gemma4_configs import CONFIGS  # noqa: E402
 from verify_full_size import _scale_of  # noqa: E402
 
@@ -145,13 +148,14 @@ def whole_model(root, args):
             sys.exit(f"export failed (rc {rc}), see {root / 'export-whole.log'}")
     log = root / "precision-whole.log"
     cmd = [sys.executable, "-m", "codegen", "verify", str(out), "--precision", "fp16", "--no-npi"]
-    rc, wall, rss = child(cmd, log)
+    rc, wall, rss, tree = tree_child(cmd, log)
     bad = first_bad(log.read_text(errors="replace"))
-    print("| export | verify --precision fp16 | first non-finite | wall | peak RSS |")
-    print("|---|---|---|---|---|")
+    print("| export | verify --precision fp16 | first non-finite | wall | peak RSS, one process "
+          "| peak PSS, all its processes |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     print(f"| {args.model} shape, whole model | exit {rc} | {'; '.join(bad) or '-'} | "
-          f"{wall:.0f} s | {rss / 1e9:.2f} GB |")  # fmt: skip
-    return 0 if rc == 1 and wall <= 15 * 60 and rss <= 8e9 else 1
+          f"{wall:.0f} s | {rss / 1e9:.2f} GB | {tree / 1e9:.2f} GB |")  # fmt: skip
+    return 0 if rc == 1 and wall <= 15 * 60 and max(rss, tree) <= 8e9 else 1
 
 
 def main():

@@ -75,7 +75,7 @@ def _run_precision(args):
         args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
         check_shards=not args.skip_shard_check, layerwise_given=args.layerwise, log=log,
         graphs=args.graphs, specializations=args.specializations, mxfp6=args.mxfp6,
-        npi=not args.no_npi,
+        npi=not args.no_npi, isolate=True,
     )  # fmt: skip
     text, bad = precision_table(results, args.precision, args.mxfp6)
     print(text)

@@ -2,7 +2,8 @@
 the largest layer (see `codegen.check.layerwise` for the cut into segments and
 `codegen.check.precision` for the device model and the report).
 
-Three passes over one specialization, each holding one layer's weights at a time:
+Three passes over one specialization, each holding one layer's weights at a time (run in the
+order 1, 3, 2: pass 2 may allocate from onnxruntime's shared arena, which keeps what it grew to):
 
 1. float32 `ref` (verify's layer-by-layer reference): the graph's outputs to compare with.
 2. The exported graph in the device's format, one segment at a time (`device_graph.device_graph`
@@ -145,15 +146,16 @@ def _known(stats, feed):
     return {**inputs, **stats}
 
 
-def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6, keep=()):
+def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6, keep=(), shared=False):
     """Pass 2: (peak |x|, first non-finite name or None, {output: relative error}); each
     segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given; the node
-    outputs `keep` names (whole-graph names: a node-precision plan) left in float32."""
+    outputs `keep` names (whole-graph names: a node-precision plan) left in float32; shared:
+    its sessions' tensors from `sessions.shared_arena`."""
     ordinals = call_ordinals(g.model)
     probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"), keep, ordinals)
     rewrite = _device_rewrite(g.checkpoint, precision, mxfp6, keep, ordinals)
     runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
-                       probe=probe)  # fmt: skip
+                       probe=probe, shared=shared)  # fmt: skip
     errors = {}
     for name, value in runner.run_all():
         errors[name] = lw.error(store(name, value), exact[name])[1]
@@ -340,13 +342,15 @@ def _head_call(name, checkpoint, precision, records, keep=()):
 
 
 def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log,
-                             mxfp6=None, plan=((), ())):  # fmt: skip
+                             mxfp6=None, plan=((), ()), shared=False):  # fmt: skip
     """One specialization of `verify --precision` layer by layer → (layers [(layer, max
     |x|)], onnx max |x|, ref's first non-finite Record or None, onnx's first non-finite name
     or None, errors [(output, ref err, onnx err)]). feed: its inputs (retained ones already
     stored as `kv`); kv: the KV storage format or None; mxfp6: an MXFP6 element format for
     the device side's matmul weights (`codegen.check.mxfp6_weights`) or None; plan: (node
-    outputs, `ref` keys) kept in float32 (`codegen.check.plan_file.folder_plan`)."""
+    outputs, `ref` keys) kept in float32 (`codegen.check.plan_file.folder_plan`); shared:
+    pass 2's tensors from `sessions.shared_arena`, which keeps what it grew to: pass 2 runs
+    last, after `ref`'s passes."""
     head = spec.head
     if mxfp6 is not None and head and mxfp6_weights.stored(head, checkpoint.tensors[head].shape):
         raise ValueError(f"{spec.name}: --mxfp6 layer by layer reads the output head {head!r} "
@@ -360,10 +364,10 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
     with tempfile.TemporaryDirectory(prefix="precision.") as spill:
         log(f"  {spec.name}: float32 reference")
         exact = _exact(g, feed, spill)
+        ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6, plan[1])
         log(f"  {spec.name}: onnx in {precision}")
         onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
-                                                    log, mxfp6, plan[0])  # fmt: skip
-        ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6, plan[1])
+                                                    log, mxfp6, plan[0], shared)  # fmt: skip
         del exact
     errors = [(t.name, ref_err[t.name], onnx_err[t.name]) for t in spec.outputs]
     bad = numerics.first_nonfinite(records)

@@ -14,7 +14,10 @@ cannot prove: that QAIC keeps no op in another precision, or inputs unlike these
 """
 
 import dataclasses
+import multiprocessing
+import sys
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
 import jax
@@ -41,7 +44,7 @@ from ref import numerics
 
 def verify_precision(
     folder, precision, *, kv_dtype=None, seed=0, check_shards=True, layerwise_given=None,
-    log=None, graphs=None, specializations=None, mxfp6=None, npi=True,
+    log=None, graphs=None, specializations=None, mxfp6=None, npi=True, isolate=False,
 ):  # fmt: skip
     """Every graph and specialization of an export in `precision` (KV inputs and retained
     outputs stored as `kv_dtype`) → list of results, one dict per (graph, specialization):
@@ -53,20 +56,63 @@ def verify_precision(
     sides (`codegen.check.mxfp6_weights`), the float32 reference's as the checkpoint holds
     them; npi: honour each graph's node-precision plan in the folder (GRAPH.npi.yaml, and
     GRAPH.npi.ref.json for `ref`'s side: `codegen.check.plan_file.folder_plan`), as
-    compile.sh passes it, its note in the result's "plan"."""
+    compile.sh passes it, its note in the result's "plan". isolate: each graph checked layer by
+    layer in a process of its own (`isolated`), its progress lines on standard error instead
+    of `log`."""
+    options = dict(kv_dtype=kv_dtype, seed=seed, layerwise_given=layerwise_given, mxfp6=mxfp6,
+                   npi=npi)  # fmt: skip
+    if isolate:
+        return isolated(folder, precision, check_shards, graphs, specializations, options, log)
+    return _checked(folder, precision, check_shards, graphs, specializations, options, log)
+
+
+def isolated(folder, precision, check_shards, graphs, specializations, options, log):
+    """`verify_precision` with each graph checked layer by layer (its specializations chosen
+    here) in a new process (spawned), so that what its check leaves behind ends with it:
+    onnxruntime's shared arena (pass 2 allocates from it there: `sessions.shared_arena`), XLA's
+    compiled layers, the buffers of the largest layer. Graphs checked whole run here."""
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
+    jobs = [
+        ([entry.name], [s["name"] for s in spec.specializations],
+         way(spec, entry, model, checkpoint, options["layerwise_given"]) == "layers")
+        for entry, spec, model in chosen
+    ]  # fmt: skip
+    del chosen
+    spawn = multiprocessing.get_context("spawn")
+    results = []
+    for names, specs, alone in jobs:
+        if not alone:
+            results += _checked(folder, precision, False, names, specs, options, log)
+            continue
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            results += pool.submit(_child, folder, precision, names, specs, options).result()
+    return results
+
+
+def _child(folder, precision, graphs, specializations, options):
+    """One `isolated` process: the graphs' check, progress on standard error."""
+    return _checked(folder, precision, False, graphs, specializations, options,
+                    lambda line: print(line, file=sys.stderr, flush=True), shared=True)  # fmt: skip
+
+
+def _checked(folder, precision, check_shards, graphs, specializations, options, log,
+             shared=False):  # fmt: skip
+    """`verify_precision` in this process; shared: pass 2's tensors from
+    `sessions.shared_arena` (a process of its own: `isolated`)."""
+    kv_dtype, seed, mxfp6 = options["kv_dtype"], options["seed"], options["mxfp6"]
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     results = []
     # each spec's fn: the composition exported (vision tiles included: their order is in it)
     for entry, spec, model in chosen:
-        layered = way(spec, entry, model, checkpoint, layerwise_given) == "layers"
+        layered = way(spec, entry, model, checkpoint, options["layerwise_given"]) == "layers"
         log(f"verify --precision {precision} {spec.name}: "
             f"{'layer by layer' if layered else 'whole graph'}")  # fmt: skip
-        *plan, note = folder_plan(folder, spec.name, model) if npi else ([], [], None)
+        *plan, note = folder_plan(folder, spec.name, model) if options["npi"] else ([], [], None)
         if note is not None:
             log(f"  {note}")
-        check = _layered if layered else _whole
+        check = partial(_layered, shared=shared) if layered else _whole
         found_all = check(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6,
                           plan)  # fmt: skip
         for s, found in found_all:
@@ -123,10 +169,11 @@ def _stored(x, kv):
     return np.asarray(numerics.store(x, kv))
 
 
-def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6, plan):
+def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6, plan,
+             shared=False):  # fmt: skip
     for s, feed in sample_feeds(spec, seed, kv):
         layers, onnx_max, ref_bad, onnx_bad, errors = precision_specialization(
-            spec, model, folder, checkpoint, feed, precision, kv, log, mxfp6, plan
+            spec, model, folder, checkpoint, feed, precision, kv, log, mxfp6, plan, shared
         )
         yield s, {"layers": layers, "onnx_max": onnx_max, "ref_nonfinite": ref_bad,
                   "onnx_nonfinite": onnx_bad, "errors": errors}  # fmt: skip

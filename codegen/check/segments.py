@@ -121,14 +121,16 @@ _ONNX_TYPES = {
 class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
-    def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None):
+    def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None,
+                 shared=False):  # fmt: skip
         """rewrite(segment ModelProto, full) → (ModelProto, probed names, extra outputs): each
         segment run as rewritten, its extra outputs handed to probe(segment ModelProto, probed
         names, {extra output: value}, the segment's feed) (`verify --precision`). full: the
         tensor names to give full statistics (`device_graph`), the others fast ones: those
         the probe could not judge from fast ones (`_Probed`), in this segment or an earlier
-        one (a layer's mask fill is -inf in every layer call)."""
-        self.model, self.folder = model, folder
+        one (a layer's mask fill is -inf in every layer call). shared: the sessions' tensors
+        from the process's `sessions.shared_arena` (for a process that ends after the run)."""
+        self.model, self.folder, self.shared = model, folder, shared
         self.head, self.checkpoint = head, checkpoint
         self.rewrite, self.probe = rewrite, probe
         self.segments, self.last_use = segments(model)
@@ -175,7 +177,7 @@ class Runner:
         """(session, the checkpoint weights it was given: `supplied_weights`, a layer call's
         only; glue reads its tables, the embedding's of 1–3 GB, by a few rows)."""
         given = {} if self.supplier is None or not supply else self.supplier.values(model)
-        return session_at(model, path, given), given
+        return session_at(model, path, given, self.shared), given
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
