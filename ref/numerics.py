@@ -193,15 +193,19 @@ class _Places:
         return f"{name}:{primitive}#{ordinal}" in self.keep
 
 
-def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None, moved=None):
+def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=None, moved=None,
+          stored=()):  # fmt: skip
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
-    is dropped after the last equation reading it. sink: None, or sink(name, primitive,
-    result, inputs_finite, (ordinal, kept), values) → whether result is all finite, called per
-    float result of an operation (inputs_finite: every float operand all finite; values: an
-    array holding result's values, `_results`); finite_in: that per argument, where known;
-    places: a `_Places` (given with a sink, or to keep tensors in float32: their results are
-    not rounded); moved: the traced transposes a `dot_general`
-    may read through (`jaxpr_facts.folded`), shared with the bodies evaluated inside."""
+    is dropped after the last equation reading it; stored: indices of the args already in
+    `precision`, not rounded again (rounding them changes nothing, and a compiled rounding
+    is a new array of the arg's size: a 31B layer's weights, 1.7 GB). sink: None, or
+    sink(name, primitive, result, inputs_finite, (ordinal, kept), values) → whether result
+    is all finite, called per float result of an operation (inputs_finite: every float
+    operand all finite; values: an array holding result's values, `_results`); finite_in:
+    that per argument, where known; places: a `_Places` (given with a sink, or to keep
+    tensors in float32: their results are not rounded); moved: the traced transposes a
+    `dot_general` may read through (`jaxpr_facts.folded`), shared with the bodies evaluated
+    inside."""
     env, finite = {}, {}
     moved = {} if moved is None else moved
 
@@ -222,7 +226,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = round_to(c, precision)
     for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
-        env[v] = round_to(a, precision)
+        env[v] = a if j in stored else round_to(a, precision)
         if finite_in is not None:
             finite[v] = finite_in[j]
     for i, eqn in enumerate(jaxpr.eqns):

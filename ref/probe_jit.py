@@ -74,9 +74,10 @@ def _compiled(closed):
     return _COMPILED[key]
 
 
-def _run(closed, flat, precision, places):
-    """The device model of closed at flat, compiled → (outputs (flat), [(name, primitive,
-    shape, place)] and their statistics [n, 3] per float tensor (`_statistics`))."""
+def _run(closed, flat, precision, places, stored=()):
+    """The device model of closed at flat (those at indices `stored` already in precision),
+    compiled → (outputs (flat), [(name, primitive, shape, place)] and their statistics [n, 3]
+    per float tensor (`_statistics`))."""
     placed = []
 
     def device(consts, *leaves):
@@ -89,7 +90,7 @@ def _run(closed, flat, precision, places):
             return ok
 
         body = core.ClosedJaxpr(closed.jaxpr, consts)
-        outs = numerics._eval(body, leaves, precision, sink, places=places)
+        outs = numerics._eval(body, leaves, precision, sink, places=places, stored=stored)
         return outs, jnp.stack(stats) if stats else jnp.zeros((0, 3), jnp.float32)
 
     def spec(x):
@@ -100,13 +101,19 @@ def _run(closed, flat, precision, places):
     return got[:-1], placed, np.asarray(got[-1])
 
 
-def probe_jit(fn, precision, *args, records=None, keep=(), prefix=""):
-    """As `numerics.probe` (same arguments, same result and Records), compiled."""
+def probe_jit(fn, precision, *args, records=None, keep=(), prefix="", stored=()):
+    """As `numerics.probe` (same arguments, same result and Records), compiled. stored:
+    indices of args (each an array) whose values are already in `precision` (`round_to`
+    changes none of them: weights rounded where they were read), given to the program as they
+    are where it would round them into a new array."""
     precision = numerics.format_name(precision)
     closed, out_tree, flat = numerics._traced(fn, args)
+    if stored and len(flat) != len(args):
+        raise ValueError(f"probe_jit: stored={sorted(stored)} indexes args, but they are not "
+                         f"all arrays ({len(args)} args, {len(flat)} leaves)")  # fmt: skip
     records = [] if records is None else records
     places = numerics._Places(keep, prefix)
-    outs, placed, stats = _run(closed, flat, precision, places)
+    outs, placed, stats = _run(closed, flat, precision, places, frozenset(stored))
     for (name, primitive, shape, place), (peak, turned, *_) in zip(placed, stats, strict=True):
         records.append(numerics.Record(name, primitive, shape, float(peak), bool(turned), *place))
     return jax.tree_util.tree_unflatten(out_tree, outs), records

@@ -36,7 +36,7 @@ from codegen.check.device_graph import (
     stats_of,
 )
 from codegen.check.head_slices import head_rows
-from codegen.check.layer_buffers import Buffers, Compiled
+from codegen.check.layer_buffers import Buffers, Compiled, stored_weights
 from codegen.check.plan_file import call_ordinals, producers_of, segment_keep, whole_names
 from codegen.folder.sessions import give_back
 from ref import numerics, validate
@@ -263,11 +263,11 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
 
         def run(*concrete):
             stopping()
-            weights = lw.layer_weights(names, checkpoint, module, buffers)
-            weights = mxfp6_weights.weights(lw.layer_names(names, module), weights, mxfp6)
+            weights, stored = _layer_weights(names, checkpoint, module, buffers, precision, mxfp6)
             made, _ = probe_jit(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
                 records=records, prefix=path, keep=keep,
+                stored=range(len(concrete), len(concrete) + stored),
             )  # fmt: skip
             del weights
             for n, v in zip(g.call_names(k), made, strict=True):
@@ -304,6 +304,16 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
         if t.name not in errors and exact is not None:
             errors[t.name] = lw.error(store(t.name, v), exact[t.name])[1]
     return errors, records
+
+
+def _layer_weights(names, checkpoint, module, buffers, precision, mxfp6):
+    """(pass 3's weights of the bound layer `module`, how many of them are already rounded to
+    `precision`): all (`layer_buffers.stored_weights`), or none when they are MXFP6's."""
+    mine = lw.layer_names(names, module)
+    if mxfp6 is None:
+        return stored_weights(mine, checkpoint, buffers, precision), len(mine)
+    weights = lw.layer_weights(names, checkpoint, module, buffers)
+    return mxfp6_weights.weights(mine, weights, mxfp6), 0
 
 
 def _drawn_here(x):

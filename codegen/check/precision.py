@@ -37,6 +37,7 @@ from codegen.check.layered_precision import precision_specialization
 from codegen.check.layerwise import error
 from codegen.check.plan_file import folder_plan
 from codegen.check.verify import opened, way
+from codegen.folder.sessions import fix_mmap_threshold
 from ref import numerics
 
 # --- verify --precision ----------------------------------------------------------------------
@@ -90,7 +91,10 @@ def isolated(folder, precision, check_shards, graphs, specializations, options, 
 
 
 def _child(folder, precision, graphs, specializations, options):
-    """One `isolated` process: the graphs' check, progress on standard error."""
+    """One `isolated` process: the graphs' check, progress on standard error; glibc's mmap
+    threshold fixed from the start (`sessions.fix_mmap_threshold`), as a process that had
+    opened a session first had it."""
+    fix_mmap_threshold()
     return _checked(folder, precision, False, graphs, specializations, options,
                     lambda line: print(line, file=sys.stderr, flush=True), shared=True)  # fmt: skip
 

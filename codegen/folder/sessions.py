@@ -56,11 +56,11 @@ def options():
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-    _fixed_mmap_threshold()
+    fix_mmap_threshold()
     return opts
 
 
-def _fixed_mmap_threshold():
+def fix_mmap_threshold():
     """glibc only: every block of MMAP_BYTES or more is mapped, and unmapped when freed. By
     default glibc raises its threshold to each freed mapped block's size (up to 32 MiB); after
     that a graph's 16–36 MiB tensors come from the heap, which keeps its freed holes, and a

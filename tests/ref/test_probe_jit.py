@@ -5,6 +5,7 @@ equal programs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -68,6 +69,31 @@ def test_compiled_probe_gives_the_op_by_op_values_and_records(seed, scale, speci
     assert abs(first.max_abs - peak) <= 2.0**-10 * peak
     nan_in = special is not None and np.isnan(special)
     assert first.nonfinite == (nan_in or (not finite.all() and np.isfinite(_f16(x)).all()))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1.0, 3e4, 1e5]))
+def test_stored_weights_are_read_as_given(seed, scale):
+    """A weight rounded on the host (numpy: the oracle, independent of `round_to`) and given
+    as `stored`: the compiled device model reads it as it is, with the values and Records of
+    rounding it in the program (scaled past float16's range, some of its values are inf);
+    and `stored` does skip the rounding: an unrounded weight given so changes the result."""
+    x, drawn, mask = _drawn(seed, 1.0, None)
+    w = drawn * np.float32(scale)
+    want, expected = probe_jit.probe_jit(_attend, "fp16", x, w, mask)
+    got, records = probe_jit.probe_jit(_attend, "fp16", x, _f16(w), mask, stored={1})
+    assert np.array_equal(np.asarray(got), np.asarray(want), equal_nan=True)
+    assert records == expected
+    raw, _ = probe_jit.probe_jit(_attend, "fp16", x, drawn, mask, stored={1})
+    rounded, _ = probe_jit.probe_jit(_attend, "fp16", x, drawn, mask)
+    assert not np.array_equal(np.asarray(raw), np.asarray(rounded))
+
+
+def test_stored_indexes_arrays_only():
+    """`stored` names args by index: refused when an arg is a tree of several arrays."""
+    x, w, _ = _drawn(0, 1.0, None)
+    with pytest.raises(ValueError, match=r"stored=\[1\] indexes args"):
+        probe_jit.probe_jit(lambda x, p: x @ p["w"].T, "fp16", x, {"w": w, "b": w}, stored={1})
 
 
 def test_programs_are_shared_only_when_equal():

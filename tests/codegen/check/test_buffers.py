@@ -1,5 +1,6 @@
-"""`codegen.check.layerwise.Buffers`: layer weights read into reused buffers, never into one an
-array still uses; `weights.read_tensor(out=)`."""
+"""`codegen.check.layer_buffers`: layer weights read into reused buffers, never into one an
+array still uses, and rounded to the device's format (`stored_weights`); `weights.read_tensor(
+out=)`."""
 
 import json
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weights
-from codegen.check.layer_buffers import Buffers
+from codegen.check.layer_buffers import Buffers, stored_weights
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 
@@ -80,3 +81,24 @@ def test_read_into_a_wrong_buffer_is_refused(tmp_path):
                 np.empty((4, 3), np.float32).T):  # fmt: skip
         with pytest.raises(ValueError, match=r"t: out is .*needs a C-contiguous float32\[3, 4\]"):
             ckpt.read("t", out=bad)
+
+
+@settings(max_examples=10, deadline=None)
+@given(layers(), st.sampled_from(["float16", "bfloat16"]), st.sampled_from([1.0, 1e-6, 3e4]))
+def test_stored_weights_are_the_checkpoints_values_rounded(tmp_path_factory, drawn, fmt, scale):
+    """`stored_weights` of each layer (float32, bfloat16 and float16 tensors, scaled so some
+    values are below float16's normal range or beyond it) equals numpy's rounding of the
+    checkpoint's float32 values to the format (ml_dtypes: an oracle of its own) bit for bit;
+    fails when a weight is widened without rounding."""
+    with np.errstate(over="ignore"):  # float16 tensors scaled past their range hold inf
+        drawn = [[(n, (a.astype(np.float32) * scale).astype(a.dtype)) for n, a in layer]
+                 for layer in drawn]  # fmt: skip
+    ckpt = _checkpoint(tmp_path_factory.mktemp("s"), drawn)
+    buffers, low = Buffers(), {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[fmt]
+    for layer in drawn:
+        got = stored_weights([n for n, _ in layer], ckpt, buffers, fmt)
+        for (n, a), g in zip(layer, got, strict=True):
+            with np.errstate(over="ignore"):
+                want = a.astype(np.float32).astype(low).astype(np.float32)
+            assert g.dtype == np.float32
+            assert np.array_equal(np.asarray(g).view(np.uint32), want.view(np.uint32)), n
