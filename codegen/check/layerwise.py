@@ -239,12 +239,12 @@ def aligned(x, align=64, dtype=None):
     return out
 
 
-def spilled(x, folder):
-    """x, or when over SPILL_BYTES a read-only numpy copy mapped from a file in `folder`
-    that is unlinked at once (the mapping keeps its bytes): the page cache holds it, and may
-    drop it, not the process, until it is read. For `ref`'s large results while onnxruntime
-    runs the same layer (a 31B full layer's written caches: 1 GiB)."""
-    if x.nbytes <= SPILL_BYTES:
+def spilled(x, folder, at=None):
+    """x, or when over `at` bytes (SPILL_BYTES when None) a read-only numpy copy mapped from a
+    file in `folder` that is unlinked at once (the mapping keeps its bytes): the page cache
+    holds it, and may drop it, not the process, until it is read. For `ref`'s large results
+    while onnxruntime runs the same layer (a 31B full layer's written caches: 1 GiB)."""
+    if x.nbytes <= (SPILL_BYTES if at is None else at):
         return x
     fd, path = tempfile.mkstemp(prefix=".spill.", suffix=".npy", dir=folder)
     try:

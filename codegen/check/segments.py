@@ -128,8 +128,9 @@ class Runner:
         names, {extra output: value}, the segment's feed) (`verify --precision`). full: the
         tensor names to give full statistics (`device_graph`), the others fast ones: those
         the probe could not judge from fast ones (`_Probed`), in this segment or an earlier
-        one (a layer's mask fill is -inf in every layer call). shared: the sessions' tensors
-        from the process's `sessions.shared_arena` (for a process that ends after the run)."""
+        one (a layer's mask fill is -inf in every layer call). shared: the layer calls'
+        tensors from the process's `sessions.shared_arena` (for a process that ends after the
+        run; glue's are one-offs, the output head's slices 2 GB of them, and not kept)."""
         self.model, self.folder, self.shared = model, folder, shared
         self.head, self.checkpoint = head, checkpoint
         self.rewrite, self.probe = rewrite, probe
@@ -177,7 +178,7 @@ class Runner:
         """(session, the checkpoint weights it was given: `supplied_weights`, a layer call's
         only; glue reads its tables, the embedding's of 1–3 GB, by a few rows)."""
         given = {} if self.supplier is None or not supply else self.supplier.values(model)
-        return session_at(model, path, given, self.shared), given
+        return session_at(model, path, given, self.shared and supply), given
 
     def _outputs(self, seg, feed):
         """The segment's `makes` as onnxruntime computes them (a `Drawn` input drawn for the
