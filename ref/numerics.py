@@ -198,7 +198,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
     is dropped after the last equation reading it; stored: indices of the args already in
     `precision`, not rounded again (rounding them changes nothing, and a compiled rounding
-    is a new array of the arg's size: a 31B layer's weights, 1.7 GB). sink: None, or
+    is a new array of the arg's size: a 31B layer's weights, 1.9 GB). sink: None, or
     sink(name, primitive, result, inputs_finite, (ordinal, kept), values) → whether result
     is all finite, called per float result of an operation (inputs_finite: every float
     operand all finite; values: an array holding result's values, `_results`); finite_in:

@@ -64,7 +64,8 @@ def verify_precision(
                    npi=npi)  # fmt: skip
     if isolate:
         return isolated(folder, precision, check_shards, graphs, specializations, options, log)
-    return _checked(folder, precision, check_shards, graphs, specializations, options, log)
+    return _checked(*opened(folder, check_shards, graphs, specializations), precision, options,
+                    log)  # fmt: skip
 
 
 def isolated(folder, precision, check_shards, graphs, specializations, options, log):
@@ -73,40 +74,34 @@ def isolated(folder, precision, check_shards, graphs, specializations, options, 
     onnxruntime's shared arena (pass 2 allocates from it there: `sessions.shared_arena`), XLA's
     compiled layers, the buffers of the largest layer. Graphs checked whole run here."""
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
-    jobs = [
-        ([entry.name], [s["name"] for s in spec.specializations],
-         way(spec, entry, model, checkpoint, options["layerwise_given"]) == "layers")
-        for entry, spec, model in chosen
-    ]  # fmt: skip
-    del chosen
     spawn = multiprocessing.get_context("spawn")
     results = []
-    for names, specs, alone in jobs:
-        if not alone:
-            results += _checked(folder, precision, False, names, specs, options, log)
+    for entry, spec, model in chosen:
+        if way(spec, entry, model, checkpoint, options["layerwise_given"]) != "layers":
+            results += _checked(folder, checkpoint, [(entry, spec, model)], precision, options,
+                                log)  # fmt: skip
             continue
+        specs = [s["name"] for s in spec.specializations]
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            results += pool.submit(_child, folder, precision, names, specs, options).result()
+            results += pool.submit(_child, folder, precision, entry.name, specs, options).result()
     return results
 
 
-def _child(folder, precision, graphs, specializations, options):
-    """One `isolated` process: the graphs' check, progress on standard error; glibc's mmap
+def _child(folder, precision, graph, specializations, options):
+    """One `isolated` process: the graph's check, progress on standard error; glibc's mmap
     threshold fixed from the start (`sessions.fix_mmap_threshold`), as a process that had
     opened a session first had it."""
     fix_mmap_threshold()
-    return _checked(folder, precision, False, graphs, specializations, options,
+    return _checked(*opened(folder, False, [graph], specializations), precision, options,
                     lambda line: print(line, file=sys.stderr, flush=True), shared=True)  # fmt: skip
 
 
-def _checked(folder, precision, check_shards, graphs, specializations, options, log,
-             shared=False):  # fmt: skip
-    """`verify_precision` in this process; shared: pass 2's tensors from
-    `sessions.shared_arena` (a process of its own: `isolated`)."""
+def _checked(folder, checkpoint, chosen, precision, options, log, shared=False):
+    """`verify_precision` of the `opened` graphs `chosen`, in this process; shared: pass 2's
+    tensors from `sessions.shared_arena` (a process of its own: `isolated`)."""
     kv_dtype, seed, mxfp6 = options["kv_dtype"], options["seed"], options["mxfp6"]
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
-    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     results = []
     # each spec's fn: the composition exported (vision tiles included: their order is in it)
     for entry, spec, model in chosen:
