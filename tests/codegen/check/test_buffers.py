@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import weights
 from codegen.check.layer_buffers import Buffers, stored_weights
+from tests.util import examples
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 
@@ -83,7 +84,7 @@ def test_read_into_a_wrong_buffer_is_refused(tmp_path):
             ckpt.read("t", out=bad)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(4), deadline=None)  # each drawn shape is a compile
 @given(layers(), st.sampled_from(["float16", "bfloat16"]), st.sampled_from([1.0, 1e-6, 3e4]))
 def test_stored_weights_are_the_checkpoints_values_rounded(tmp_path_factory, drawn, fmt, scale):
     """`stored_weights` of each layer (float32, bfloat16 and float16 tensors, scaled so some
