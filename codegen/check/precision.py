@@ -69,21 +69,25 @@ def verify_precision(
 
 
 def isolated(folder, precision, check_shards, graphs, specializations, options, log):
-    """`verify_precision` with each graph checked layer by layer (its specializations chosen
-    here) in a new process (spawned), so that what its check leaves behind ends with it:
-    onnxruntime's shared arena (pass 2 allocates from it there: `sessions.shared_arena`), XLA's
-    compiled layers, the buffers of the largest layer. Graphs checked whole run here."""
+    """`verify_precision` with each graph checked layer by layer because of its size (its
+    float32 weights over `verify.LAYERWISE_BYTES`; its specializations chosen here) in a new
+    process (spawned), so that what its check leaves behind ends with it: onnxruntime's shared
+    arena (pass 2 allocates from it there: `sessions.shared_arena`), XLA's compiled layers, the
+    buffers of the largest layer. Graphs checked whole, and small ones forced layer by layer,
+    run here (a child's imports and compiles cost more than they leave behind)."""
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     spawn = multiprocessing.get_context("spawn")
     results = []
     for entry, spec, model in chosen:
-        if way(spec, entry, model, checkpoint, options["layerwise_given"]) != "layers":
+        layered = way(spec, entry, model, checkpoint, options["layerwise_given"]) == "layers"
+        if not layered or way(spec, entry, model, checkpoint) != "layers":
             results += _checked(folder, checkpoint, [(entry, spec, model)], precision, options,
                                 log)  # fmt: skip
             continue
         specs = [s["name"] for s in spec.specializations]
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            results += pool.submit(_child, folder, precision, entry.name, specs, options).result()
+            child = {**options, "layerwise_given": True}  # as chosen here
+            results += pool.submit(_child, folder, precision, entry.name, specs, child).result()
     return results
 
 

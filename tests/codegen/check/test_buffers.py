@@ -43,7 +43,7 @@ def _checkpoint(tmp_path, drawn):
     return weights.open_checkpoint(folder)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(layers(), st.lists(st.booleans(), min_size=4, max_size=4))
 def test_buffers_are_reused_only_when_no_array_uses_them(tmp_path_factory, drawn, hold):
     """Each layer read through one `Buffers` equals the checkpoint's values as float32, and

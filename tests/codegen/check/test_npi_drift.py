@@ -14,6 +14,8 @@ import pytest
 from PIL import Image
 
 from codegen.__main__ import main
+from codegen.check import precision
+from codegen.check import verify as verify_module
 from codegen.check.plan_file import PlanError, read_npi
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
@@ -85,12 +87,13 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     assert not (out / "vision.npi.yaml").exists()
 
 
-def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsys):
+def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsys, monkeypatch):
     """Token embeddings ×60 push one GELU product per decoder layer past float16 (the same
     node inside each layer function). The layer-by-layer search (a released size's way, here
     forced by --layerwise) runs one segment at a time, where onnx's inliner names a layer
     call's values "…__1"; its plan must name each layer's node as the whole graph does
-    ("…__1" to "…__4") and equal the whole-graph plan."""
+    ("…__1" to "…__4") and equal the whole-graph plan. The plan is then honoured by a check
+    in a spawned process, as a graph over the layer-by-layer threshold is checked."""
     t = default_tensors()
     name = "model.language_model.embed_tokens.weight"
     t[name] = (t[name].astype(np.float32) * 60).astype(ml_dtypes.bfloat16)
@@ -108,6 +111,11 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
         paired.append(json.loads((out / "decode.npi.ref.json").read_text()))
         assert main(args) == 0  # the plan honoured, both device models finite
         capsys.readouterr()
+    monkeypatch.setattr(verify_module, "LAYERWISE_BYTES", 0)  # decode now over it
+    pools = _counted_pools(monkeypatch)
+    assert main(["verify", str(out), "--precision", "fp16", "--graph", "decode"]) == 0
+    assert pools == [1], pools  # one child, which honoured the plan
+    assert "plan decode.npi.yaml: 4 node(s) in float32" in capsys.readouterr().out
     assert plans[0] == [f"gelu_mul_6__{k}" for k in range(1, 5)], plans
     assert plans[1] == plans[0]
     assert paired[1] == paired[0] and paired[0]["parted"] is None, paired
@@ -115,6 +123,18 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     assert [n["ref"] for n in paired[0]["nodes"]] == [
         f"layers.{k}:integer_pow#0" for k in range(4)
     ], paired
+
+
+def _counted_pools(monkeypatch):
+    """[processes of each pool `precision.isolated` opened], pools counted as they open."""
+    real, pools = precision.ProcessPoolExecutor, []
+
+    def counted(n, **kw):
+        pools.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(precision, "ProcessPoolExecutor", counted)
+    return pools
 
 
 def test_ref_pairing_stops_where_the_device_models_part():
