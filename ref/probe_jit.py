@@ -67,10 +67,13 @@ def _key(closed):
     return str(closed.jaxpr), digest.hexdigest()
 
 
-def _compiled(closed):
-    key = _key(closed)
+def _compiled(traced):
+    """The compiled program of a `jax.stages.Traced`, compiled once per `_key` (lowered
+    from the trace made: jitting its jaxpr again would trace every equation a second
+    time)."""
+    key = _key(traced.jaxpr)
     if key not in _COMPILED:
-        _COMPILED[key] = jax.jit(core.jaxpr_as_fun(closed))
+        _COMPILED[key] = traced.lower().compile()
     return _COMPILED[key]
 
 
@@ -96,9 +99,9 @@ def _run(closed, flat, precision, places, stored=()):
     def spec(x):
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
-    program = jax.make_jaxpr(device)([spec(c) for c in closed.consts], *map(spec, flat))
-    got = _compiled(program)(*closed.consts, *flat)
-    return got[:-1], placed, np.asarray(got[-1])
+    traced = jax.jit(device).trace([spec(c) for c in closed.consts], *map(spec, flat))
+    outs, stats = _compiled(traced)(list(closed.consts), *flat)
+    return list(outs), placed, np.asarray(stats)
 
 
 def probe_jit(fn, precision, *args, records=None, keep=(), prefix="", stored=()):

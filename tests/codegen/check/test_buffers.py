@@ -2,7 +2,9 @@
 array still uses, and rounded to the device's format (`stored_weights`); `weights.read_tensor(
 out=)`."""
 
+import gc
 import json
+from unittest import mock
 
 import jax
 import ml_dtypes
@@ -12,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weights
+from codegen.check import layer_buffers
 from codegen.check.layer_buffers import Buffers, stored_weights
 from tests.util import examples
 
@@ -49,9 +52,14 @@ def test_buffers_are_reused_only_when_no_array_uses_them(tmp_path_factory, drawn
     """Each layer read through one `Buffers` equals the checkpoint's values as float32, and
     the arrays of a layer that are still held — as they are, as a transposed view, or shared
     by a jax array — keep their values while later layers are read; reading the layers again
-    with nothing held allocates no new buffer. Fails when a buffer in use is handed out again
-    (the reference count not checked) and when a free one is not reused."""
-    ckpt = _checkpoint(tmp_path_factory.mktemp("b"), drawn)
+    with nothing held allocates no new buffer (garbage collected from any size of buffers in
+    use: a jax array lets its buffer go only when collected). Fails when a buffer in use is
+    handed out again (the reference count not checked) and when a free one is not reused."""
+    with mock.patch.object(layer_buffers, "RECLAIM_BYTES", 0):
+        _reuse(_checkpoint(tmp_path_factory.mktemp("b"), drawn), drawn, hold)
+
+
+def _reuse(ckpt, drawn, hold):
     buffers, held = Buffers(), []
     for k, layer in enumerate(drawn):
         got = [buffers.read(ckpt, n) for n, _ in layer]
@@ -72,6 +80,30 @@ def test_buffers_are_reused_only_when_no_array_uses_them(tmp_path_factory, drawn
         del got
         buffers.reclaim()
     assert len(buffers.owned) == owned
+
+
+def test_reclaim_collects_garbage_only_from_its_threshold(tmp_path, monkeypatch):
+    """A buffer whose only user is garbage in a reference cycle is handed out again after
+    `reclaim` once the buffers in use hold RECLAIM_BYTES (a collection frees it), and not
+    below (a new buffer is allocated: cheaper than a collection). Fails when the threshold
+    is ignored in either direction."""
+    want = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    ckpt = _checkpoint(tmp_path, [[("t", want)]])
+    gc.disable()  # no collection but `reclaim`'s
+    try:
+        for above in (False, True):
+            buffers = Buffers()
+            cycle = [buffers.read(ckpt, "t")]
+            cycle.append(cycle)
+            size, first = len(buffers.owned[0]), cycle[0].ctypes.data
+            monkeypatch.setattr(layer_buffers, "RECLAIM_BYTES", size + (not above))
+            del cycle
+            buffers.reclaim()
+            again = buffers.read(ckpt, "t")
+            assert len(buffers.owned) == 2 - above and (again.ctypes.data == first) == above
+            np.testing.assert_array_equal(again, want)
+    finally:
+        gc.enable()
 
 
 def test_read_into_a_wrong_buffer_is_refused(tmp_path):
