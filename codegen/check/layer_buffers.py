@@ -3,6 +3,7 @@
 (`Buffers`), reused by the next layer, and each layer kind compiled once (`Compiled`)."""
 
 import gc
+import math
 import sys
 from functools import partial
 
@@ -10,11 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from codegen.folder.sessions import give_back
 from ref import numerics
 
 # buffers in use from which `Buffers.reclaim` collects garbage (a fresh page costs about
 # 0.5 ns a byte: 64 MiB of new buffers cost ~30 ms, a collection in a large process more)
 RECLAIM_BYTES = 64 << 20
+
+
+def float32_bytes(spec, checkpoint):
+    """Bytes of a graph's weights as float32 (what a whole-graph check holds twice)."""
+    return sum(4 * math.prod(checkpoint.tensors[n].shape) for n in spec.weights)
 
 
 class Buffers:
@@ -70,6 +77,16 @@ class Buffers:
             return checkpoint.read(name, out=out)
         out[...] = checkpoint.read(name, out=self.empty(info.shape, info.np_dtype))
         return out
+
+
+def collected(spec, checkpoint):
+    """What a pass over a graph's layers left to the garbage collector freed and handed back
+    (its weight buffers, held by jax arrays in reference cycles: 3 GB of a 31B layer's)
+    before the next pass; nothing when its weights hold less than RECLAIM_BYTES as float32
+    (less than the collection costs)."""
+    if float32_bytes(spec, checkpoint) >= RECLAIM_BYTES:
+        gc.collect()
+        give_back()
 
 
 def stored_weights(names, checkpoint, buffers, precision):

@@ -17,7 +17,6 @@ order 1, 3, 2: pass 2 may allocate from onnxruntime's shared arena, which keeps 
 """
 
 import dataclasses
-import gc
 import tempfile
 
 import flax.linen as nn
@@ -37,7 +36,7 @@ from codegen.check.device_graph import (
     stats_of,
 )
 from codegen.check.head_slices import head_rows
-from codegen.check.layer_buffers import Buffers, Compiled, stored_weights
+from codegen.check.layer_buffers import Buffers, Compiled, collected, stored_weights
 from codegen.check.plan_file import call_ordinals, producers_of, segment_keep, whole_names
 from codegen.folder.sessions import give_back
 from ref import numerics, validate
@@ -323,13 +322,6 @@ def _layer_weights(names, checkpoint, module, buffers, precision, mxfp6):
     return mxfp6_weights.weights(mine, weights, mxfp6), 0
 
 
-def _collected():
-    """What a pass left to the garbage collector freed and handed back (its weight buffers,
-    held by jax arrays in reference cycles: 3 GB of a 31B layer's) before the next pass."""
-    gc.collect()
-    give_back()
-
-
 def _drawn_here(x):
     """A `graphs.Drawn` layer argument as a host call that draws it, evaluated just before
     the layer that reads it; any other argument as it is."""
@@ -388,9 +380,9 @@ def precision_specialization(spec, model, folder, checkpoint, feed, precision, k
     with tempfile.TemporaryDirectory(prefix="precision.") as spill:
         log(f"  {spec.name}: float32 reference")
         exact = _exact(g, feed, spill)
-        _collected()
+        collected(spec, checkpoint)
         ref_err, records = _ref_device(g, feed, precision, exact, store, log, mxfp6, plan[1])
-        _collected()
+        collected(spec, checkpoint)
         log(f"  {spec.name}: onnx in {precision}")
         onnx_max, onnx_bad, onnx_err = _onnx_device(g, folder, feed, precision, exact, store,
                                                     log, mxfp6, plan[0], shared)  # fmt: skip

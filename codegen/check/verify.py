@@ -7,7 +7,6 @@ dense reference, not the blocked code that was exported) on the same float32 wei
 """
 
 import dataclasses
-import math
 import os
 import zlib
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from codegen import graphs
 from codegen.check import layerwise, segments
+from codegen.check.layer_buffers import float32_bytes
 from codegen.folder.manifest import VerifyError
 from codegen.folder.sessions import load_graph, open_session, read_manifest
 from codegen.graphs import kinds
@@ -35,11 +35,6 @@ def rebuild(entry, checkpoint):
                            use_functions=False)  # fmt: skip
     except kinds.KindError as e:
         raise VerifyError(str(e)) from e
-
-
-def float32_bytes(spec, checkpoint):
-    """Bytes of the graph's weights as float32 (what a whole-graph check holds twice)."""
-    return sum(4 * math.prod(checkpoint.tensors[n].shape) for n in spec.weights)
 
 
 def _sample(spec, s, seed):

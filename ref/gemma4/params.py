@@ -45,8 +45,10 @@ def _shapes(module, *args, prefix=""):
     return {n: tuple(s.shape) for n, s in dotted(tree, prefix).items()}
 
 
+@lru_cache(maxsize=64)
 def vision_param_shapes(cfg):
-    """{dotted name: shape} of the packed tower's parameters (no prefix). cfg: VisionConfig."""
+    """{dotted name: shape} of the packed tower's parameters (no prefix; one dict per config,
+    not to be changed). cfg: VisionConfig."""
     k2 = cfg.pooling_kernel_size**2
     return _shapes(
         V.VisionModel(cfg),
@@ -70,7 +72,8 @@ def attention_param_shapes(cfg, i):
 
 @lru_cache(maxsize=64)
 def text_param_shapes(cfg):
-    """{checkpoint name: shape} of the whole text decoder (`model.language_model.…`)."""
+    """{checkpoint name: shape} of the whole text decoder (`model.language_model.…`; one dict per
+    config, not to be changed)."""
     ids = jnp.zeros((1, 1), jnp.int32)
     cache = init_cache(cfg, 1, 2, slots_only=True)
     return _shapes(T.TextModel(cfg), ids, ids, cache, None, None, reference, prefix=TEXT)

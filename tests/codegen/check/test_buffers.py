@@ -4,6 +4,7 @@ out=)`."""
 
 import gc
 import json
+from types import SimpleNamespace
 from unittest import mock
 
 import jax
@@ -104,6 +105,23 @@ def test_reclaim_collects_garbage_only_from_its_threshold(tmp_path, monkeypatch)
             np.testing.assert_array_equal(again, want)
     finally:
         gc.enable()
+
+
+def test_a_pass_collects_garbage_only_from_the_threshold(monkeypatch):
+    """`collected` after a pass collects garbage and hands memory back when the graph's
+    weights hold RECLAIM_BYTES or more as float32 (here 4 · (12 + 5) = 68 bytes), and does
+    nothing below."""
+    calls = []
+    monkeypatch.setattr(layer_buffers.gc, "collect", lambda: calls.append("collect"))
+    monkeypatch.setattr(layer_buffers, "give_back", lambda: calls.append("give back"))
+    spec = SimpleNamespace(weights=["a", "b"])
+    shapes = {"a": (3, 4), "b": (5,), "unread": (1000,)}
+    checkpoint = SimpleNamespace(tensors={n: SimpleNamespace(shape=s) for n, s in shapes.items()})
+    for threshold, want in ((68, ["collect", "give back"]), (69, [])):
+        calls.clear()
+        monkeypatch.setattr(layer_buffers, "RECLAIM_BYTES", threshold)
+        layer_buffers.collected(spec, checkpoint)
+        assert calls == want, threshold
 
 
 def test_read_into_a_wrong_buffer_is_refused(tmp_path):
