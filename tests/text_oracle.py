@@ -128,13 +128,14 @@ def top2_gap(logits):
     return float((top2[:, 1] - top2[:, 0]).min())
 
 
-def hf_request(model, rng, length, grids, new_tokens, vocab=96):
+def hf_request(model, rng, length, grids, new_tokens, vocab=96, eos="model"):
     """One random request and transformers' answer to it alone: `length` text ids with a run
     of image tokens per grid (h·w/9 soft tokens) at random places, each image's random
-    patches (2×2 pixels: patches_for's 12 values) → (ids, patches, tokens, top2_gap)."""
+    patches (2×2 pixels: patches_for's 12 values) → (ids, patches, tokens, top2_gap); eos as
+    `hf_generate`'s."""
     patches = patches_for(grids, rng, 12)
     ids = prompt(rng, length, [h * w // 9 for h, w in grids], vocab)
-    tokens, logits = hf_generate(model, ids, patches, grids, new_tokens)
+    tokens, logits = hf_generate(model, ids, patches, grids, new_tokens, eos=eos)
     return ids, patches, tokens, top2_gap(logits)
 
 
