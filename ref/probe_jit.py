@@ -7,7 +7,11 @@ device model, the same rounding, the same `keep`) and compiles it, with each flo
 statistics — its largest finite |x|, whether it turned non-finite, whether it is all finite
 — as three numbers of one small extra output; the Records are made from those. Equal device
 programs are compiled once (a model's layers of one kind): the key is the traced program's
-text and its own constants, and the traced function's constants are arguments.
+text and its own constants, and the traced function's constants are arguments. A function
+traced before (the same jaxpr text and name stacks, format, `stored`, and the same tensors
+kept by the plan) is not traced again: its program is reused and its Records named anew
+(`_Places` replayed over the tensors the first trace recorded) — a layer's device program
+took ~1 s of Python to trace, once per layer call.
 
 fn must be traceable as a whole: no `numerics.host_call` inside (those run Python between
 operations: `probe` them).
@@ -24,6 +28,7 @@ from jax.extend import core
 from ref import numerics
 
 _COMPILED = {}
+_TRACED = {}  # `_trace_key` → ([(name stack path, primitive, shape)], {kept flags: program})
 
 
 # a tensor of at least this many values gets the fast statistics first (`_statistics`)
@@ -81,7 +86,57 @@ def _run(closed, flat, precision, places, stored=()):
     """The device model of closed at flat (those at indices `stored` already in precision),
     compiled → (outputs (flat), [(name, primitive, shape, place)] and their statistics [n, 3]
     per float tensor (`_statistics`))."""
-    placed = []
+    key = (str(closed.jaxpr), _stacks(closed.jaxpr), precision, stored, bool(places.keep))
+    tensors, programs = _TRACED.get(key, (None, {}))
+    placed = None if tensors is None else _replayed(tensors, places)
+    kept = None if placed is None else tuple(place[1] for *_, place in placed)
+    if kept not in programs:
+        program, placed, tensors = _traced_device(closed, flat, precision, places, stored)
+        kept = tuple(place[1] for *_, place in placed)
+        _TRACED[key] = (tensors, {**programs, kept: program})
+    outs, stats = _TRACED[key][1][kept](list(closed.consts), *flat)
+    return list(outs), placed, np.asarray(stats)
+
+
+def _stacks(jaxpr):
+    """The name stacks of a jaxpr's equations, of the bodies `numerics._eval` enters too (the
+    module paths Records are named by, which the jaxpr's text leaves out)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(str(eqn.source_info.name_stack))
+        body = numerics._CALLS.get(eqn.primitive.name)
+        if body is not None:
+            out.append(_stacks(eqn.params[body].jaxpr))
+    return tuple(out)
+
+
+def _replayed(tensors, places):
+    """[(name, primitive, shape, (ordinal, kept))] of the float tensors a traced program
+    records, [(name stack path, primitive, shape)] in order, as `places` names them."""
+    out = []
+    for path, primitive, shape in tensors:
+        name, ordinal = places.place(path, primitive)
+        out.append((name, primitive, shape, (ordinal, places.kept(name, primitive, ordinal))))
+    return out
+
+
+class _Recording(numerics._Places):
+    """`numerics._Places` that also lists each name stack path it places, in order."""
+
+    def __init__(self, keep, prefix):
+        super().__init__(keep, prefix)
+        self.paths = []
+
+    def place(self, path, primitive):
+        self.paths.append(path)
+        return super().place(path, primitive)
+
+
+def _traced_device(closed, flat, precision, places, stored):
+    """(the compiled device program of closed (`_compiled`), [(name, primitive, shape,
+    place)], [(name stack path, primitive, shape)]) per float tensor it records, `places`
+    naming them."""
+    placed, recording = [], _Recording(places.keep, places.prefix)
 
     def device(consts, *leaves):
         stats = []
@@ -93,15 +148,16 @@ def _run(closed, flat, precision, places, stored=()):
             return ok
 
         body = core.ClosedJaxpr(closed.jaxpr, consts)
-        outs = numerics._eval(body, leaves, precision, sink, places=places, stored=stored)
+        outs = numerics._eval(body, leaves, precision, sink, places=recording, stored=stored)
         return outs, jnp.stack(stats) if stats else jnp.zeros((0, 3), jnp.float32)
 
     def spec(x):
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
     traced = jax.jit(device).trace([spec(c) for c in closed.consts], *map(spec, flat))
-    outs, stats = _compiled(traced)(list(closed.consts), *flat)
-    return list(outs), placed, np.asarray(stats)
+    pairs = zip(recording.paths, placed, strict=True)
+    tensors = [(path, primitive, shape) for path, (_, primitive, shape, _) in pairs]
+    return _compiled(traced), placed, tensors
 
 
 def probe_jit(fn, precision, *args, records=None, keep=(), prefix="", stored=()):

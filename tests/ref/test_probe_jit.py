@@ -122,6 +122,41 @@ def test_programs_are_shared_only_when_equal():
     assert np.isinf(np.asarray(plain)).all() and np.array_equal(np.asarray(kept), big)
 
 
+def _scoped(scope):
+    """x ↦ (x·1000)·1000 − x under jax.named_scope(scope): module path `scope`."""
+
+    def fn(x):
+        with jax.named_scope(scope):
+            return x * 1000.0 * 1000.0 - x
+
+    return fn
+
+
+def test_a_function_traced_before_is_named_anew_without_a_new_trace():
+    """Calls of one traced function under other prefixes, and of an equal one under another
+    name stack, give `numerics.probe`'s Records (names, ordinals, kept) and values; the
+    device program is traced again only for a new name stack or a plan that keeps another
+    tensor (the first call's names reused, or its program under another plan, would fail)."""
+    x = np.full((3, WIDTH), 2.0, np.float32)
+    before, keys = len(probe_jit._TRACED), set(probe_jit._TRACED)
+    calls = [(_scoped("a"), "", ()), (_scoped("a"), "layers.1", ()),
+             (_scoped("b"), "layers.1", ()), (_scoped("b"), "layers.2", ()),
+             (_scoped("b"), "layers.2", ("layers.2.b:mul#0",)),
+             (_scoped("b"), "layers.3", ("layers.2.b:mul#0",)),
+             (_scoped("b"), "layers.3", ("layers.3.b:mul#1",))]  # fmt: skip
+    traced = []
+    for fn, prefix, keep in calls:
+        got, records = probe_jit.probe_jit(fn, "fp16", x, prefix=prefix, keep=keep)
+        want, expected = numerics.probe(fn, "fp16", x, prefix=prefix, keep=keep)
+        assert records == expected, (prefix, keep, records)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        traced.append(len(probe_jit._TRACED) - before)
+    # new keys: a, b, b under a plan; under the plan, a program per set of kept tensors
+    assert traced == [1, 1, 2, 2, 3, 3, 3], traced
+    programs = [len(v[1]) for k, v in probe_jit._TRACED.items() if k not in keys]
+    assert programs == [1, 1, 3], programs  # the plan's three: mul#0, none, mul#1 kept
+
+
 @settings(max_examples=examples(10), deadline=None)
 @given(st.permutations(range(4)), st.integers(0, 2**32 - 1))
 def test_a_transpose_read_by_a_matmul_is_folded_into_it_with_the_same_values(stored, seed):
