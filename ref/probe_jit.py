@@ -28,7 +28,7 @@ from jax.extend import core
 from ref import numerics
 
 _COMPILED = {}
-_TRACED = {}  # `_trace_key` → ([(name stack path, primitive, shape)], {kept flags: program})
+_TRACED = {}  # `_run`'s key → ([(name stack path, primitive, shape)], {kept flags: program})
 
 
 # a tensor of at least this many values gets the fast statistics first (`_statistics`)
