@@ -198,7 +198,19 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     """Evaluate a ClosedJaxpr with every float value rounded → its outputs (flat); each value
     is dropped after the last equation reading it; stored: indices of the args already in
     `precision`, not rounded again (rounding them changes nothing, and a compiled rounding
-    is a new array of the arg's size: a 31B layer's weights, 1.9 GB). sink: None, or
+    is a new array of the arg's size: a 31B layer's weights, 1.9 GB). `_evaluated` says
+    more."""
+    return _evaluated(closed, args, precision, sink, prefix, finite_in, places, moved,
+                      stored)[0]  # fmt: skip
+
+
+def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, places=None,
+               moved=None, stored=(), loose=()):  # fmt: skip
+    """`_eval` → (outputs (flat), the indices of those that hold float32 values the device
+    does not round: a tensor a plan keeps, or a move of one inside a body). loose: indices
+    of the args that hold such values, taken as they are (a body's args are the values its
+    caller holds, already as the device stores them: rounding a kept one at the body's entry
+    would lose what the plan keeps). sink: None, or
     sink(name, primitive, result, inputs_finite, (ordinal, kept), values) → whether result
     is all finite, called per float result of an operation (inputs_finite: every float
     operand all finite; values: an array holding result's values, `_results`); finite_in:
@@ -206,7 +218,7 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     tensors in float32: their results are not rounded); moved: the traced transposes a
     `dot_general` may read through (`jaxpr_facts.folded`), shared with the bodies evaluated
     inside."""
-    env, finite = {}, {}
+    env, finite, unrounded = {}, {}, set()
     moved = {} if moved is None else moved
 
     def read(v):
@@ -226,7 +238,9 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
         env[v] = round_to(c, precision)
     for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
-        env[v] = a if j in stored else round_to(a, precision)
+        env[v] = a if j in stored or j in loose else round_to(a, precision)
+        if j in loose:
+            unrounded.add(v)
         if finite_in is not None:
             finite[v] = finite_in[j]
     for i, eqn in enumerate(jaxpr.eqns):
@@ -235,7 +249,10 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
         body = _CALLS.get(eqn.primitive.name)
         if body is not None:
             known = None if sink is None else [is_finite(v) for v in eqn.invars]
-            outs = _eval(eqn.params[body], ins, precision, sink, path, known, places, moved)
+            mine = {j for j, v in enumerate(eqn.invars) if _reads_unrounded([v], unrounded)}
+            outs, left = _evaluated(eqn.params[body], ins, precision, sink, path, known, places,
+                                    moved, range(len(ins)), mine)  # fmt: skip
+            unrounded.update(eqn.outvars[j] for j in left)
         elif eqn.primitive is _HOST:
             outs = [
                 round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
@@ -247,7 +264,8 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
             operands, params = jaxpr_facts.folded(eqn, ins, moved)
             made = eqn.primitive.bind(*operands, **params)
             made = made if eqn.primitive.multiple_results else [made]
-            outs = _results(eqn, ins, made, precision, path, (sink, places, finite, is_finite))
+            probing = (sink, places, finite, is_finite, unrounded)
+            outs = _results(eqn, ins, made, precision, path, probing)
             if eqn.primitive.name == "transpose" and outs[0] is made[0]:
                 jaxpr_facts.note_transpose(moved, made[0], ins[0], eqn.params["permutation"])
         for v, o in zip(eqn.outvars, outs, strict=True):
@@ -257,11 +275,13 @@ def _eval(closed, args, precision, sink=None, prefix="", finite_in=None, places=
             if not isinstance(v, core.Literal) and last.get(v) == i:
                 env.pop(v, None)
                 finite.pop(v, None)
-    return [read(v) for v in jaxpr.outvars]
+    outs = [read(v) for v in jaxpr.outvars]
+    return outs, [j for j, v in enumerate(jaxpr.outvars) if v in unrounded]
 
 
 # operations that only move or copy values: their result holds their operand's values, already
-# in the format when nothing is kept in float32, and rounding it again changes nothing
+# in the format when their operand is (not a tensor a plan keeps in float32), and rounding it
+# again changes nothing
 _MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
                     "rev", "copy", "copy_p"})  # fmt: skip
 # moves whose result holds every value of their operand: the same statistics
@@ -270,10 +290,12 @@ _SAME_VALUES = _MOVES - {"slice"}
 
 def _results(eqn, ins, outs, precision, path, probing):
     """An operation's results as the device stores them: each float one rounded, unless
-    `places` keeps it in float32; recorded by `sink` when given (`_eval`), with the values
-    to take its statistics from: its operand's, for a move of every value of a rounded one
-    (their extremes are the same, and a transposed weight need not be written out)."""
-    sink, places, finite, is_finite = probing
+    `places` keeps it in float32 (then it joins `unrounded`, the vars holding such values)
+    or it moves a rounded operand's values; recorded by `sink` when given (`_eval`), with the
+    values to take its statistics from: its operand's, for a move of every value of a
+    rounded one (their extremes are the same, and a transposed weight need not be written
+    out)."""
+    sink, places, finite, is_finite, unrounded = probing
     operands = None
     done = []
     for v, o in zip(eqn.outvars, outs, strict=True):
@@ -284,8 +306,10 @@ def _results(eqn, ins, outs, precision, path, probing):
         if places is not None and o.size:
             name, ordinal = places.place(path, eqn.primitive.name)
             kept = places.kept(name, eqn.primitive.name, ordinal)
-        exact = eqn.primitive.name in _MOVES and places is not None and not places.keep
-        if not kept and not exact:
+        exact = eqn.primitive.name in _MOVES and not _reads_unrounded(eqn.invars, unrounded)
+        if kept:
+            unrounded.add(v)
+        elif not exact:
             o = round_to(o, precision)
         if sink is not None and o.size:
             if operands is None:
@@ -296,6 +320,12 @@ def _results(eqn, ins, outs, precision, path, probing):
             finite[v] = sink(name, eqn.primitive.name, o, operands, (ordinal, kept), values)
         done.append(o)
     return done
+
+
+def _reads_unrounded(invars, unrounded):
+    """True when one of `invars` holds float32 values the device does not round
+    (`_evaluated`'s unrounded: a tensor a plan keeps)."""
+    return any(not isinstance(v, core.Literal) and v in unrounded for v in invars)
 
 
 def first_nonfinite(records):

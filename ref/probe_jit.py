@@ -9,7 +9,8 @@ statistics — its largest finite |x|, whether it turned non-finite, whether it 
 programs are compiled once (a model's layers of one kind): the key is the traced program's
 text and its own constants, and the traced function's constants are arguments. A function
 traced before (the same jaxpr text and name stacks, format, `stored`, and the same tensors
-kept by the plan) is not traced again: its program is reused and its Records named anew
+kept by the plan: a plan that keeps none of its tensors runs the program of no plan) is not
+traced again: its program is reused and its Records named anew
 (`_Places` replayed over the tensors the first trace recorded) — a layer's device program
 took ~1 s of Python to trace, once per layer call.
 
@@ -86,7 +87,7 @@ def _run(closed, flat, precision, places, stored=()):
     """The device model of closed at flat (those at indices `stored` already in precision),
     compiled → (outputs (flat), [(name, primitive, shape, place)] and their statistics [n, 3]
     per float tensor (`_statistics`))."""
-    key = (str(closed.jaxpr), _stacks(closed.jaxpr), precision, stored, bool(places.keep))
+    key = (str(closed.jaxpr), _stacks(closed.jaxpr), precision, stored)
     tensors, programs = _TRACED.get(key, (None, {}))
     placed = None if tensors is None else _replayed(tensors, places)
     kept = None if placed is None else tuple(place[1] for *_, place in placed)

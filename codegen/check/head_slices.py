@@ -1,12 +1,16 @@
 """The output head and the gathered tables a slice at a time, for the layer-by-layer checks
 (`segments`, `layerwise`, `layered_precision` of `codegen.check`): a glue segment that projects
 onto the head runs VOCAB_ROWS of its rows at a time (`vocab_slices`), reading each slice from the
-shard alone (`head_rows`); a Gather of a cast table casts only the gathered rows
-(`rows_before_cast`)."""
+shard alone (`head_rows`), as `ref`'s device model does (`device_head`); a Gather of a cast
+table casts only the gathered rows (`rows_before_cast`)."""
 
+import jax.numpy as jnp
 import numpy as np
 from onnx import helper
 
+from ref.gemma4.step import Logits
+from ref.numerics import aval, host_call
+from ref.probe_jit import probe_jit
 from weights import read_block
 
 VOCAB_ROWS = 1 << 15  # rows of the output head read at a time (262144 × 5376: 8 slices)
@@ -90,3 +94,31 @@ def head_rows(checkpoint, name):
     info = checkpoint.tensors[name]
     for a in range(0, info.shape[0], VOCAB_ROWS):
         yield np.asarray(read_block(info, (slice(a, a + VOCAB_ROWS),)), np.float32)
+
+
+def device_head(name, checkpoint, precision, records, keep=()):
+    """`layerwise.head_slices` in the device model (`layered_precision`'s pass 3), as a host
+    call: the device model of `Logits` on VOCAB_ROWS rows of the head at a time, recorded
+    under "Logits"; keep: `ref.numerics.Record.key`s left in float32."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        mine = isinstance(module, Logits) and context.method_name == "__call__"
+        if not mine or args[1].size:
+            return next_fun(*args, **kwargs)
+        vocab = checkpoint.tensors[name].shape[0]
+        hidden = args[0]
+
+        def run(x):
+            parts = []
+            for rows in head_rows(checkpoint, name):
+                fn = Logits(cap=module.cap).apply
+                got = probe_jit(fn, precision, {}, x, rows, records=records, prefix="Logits",
+                                keep=keep)  # fmt: skip
+                parts.append(got[0])
+            return [jnp.concatenate(parts, axis=-1)]
+
+        (got,) = host_call(run, [aval((*hidden.shape[:-1], vocab))], hidden)
+        return got
+
+    return interceptor

@@ -35,12 +35,12 @@ from codegen.check.device_graph import (
     layer_peaks,
     stats_of,
 )
-from codegen.check.head_slices import head_rows
+from codegen.check.head_slices import device_head
 from codegen.check.layer_buffers import Buffers, Compiled, collected, stored_weights
+from codegen.check.layer_replay import Replay
 from codegen.check.plan_file import call_ordinals, producers_of, segment_keep, whole_names
 from codegen.folder.sessions import give_back
 from ref import numerics, validate
-from ref.gemma4.step import Logits
 from ref.numerics import aval, host_call
 from ref.probe_jit import probe_jit
 
@@ -79,12 +79,12 @@ def ref_first(spec, model, checkpoint, precision, mxfp6, log):
     """first(feed, keep) for `npi.RefPlan`: pass 3 (`ref`'s device model, layer by layer) on
     feed with the `Record.key`s keep in float32 → the first Record that turns non-finite, or
     None."""
-    g = _graph(spec, model, checkpoint)
+    g, replay = _graph(spec, model, checkpoint), Replay()
 
     def first(feed, keep):
         records = []
         try:
-            _ref_device(g, feed, precision, None, None, log, mxfp6, keep, records)
+            _ref_device(g, feed, precision, None, None, log, mxfp6, keep, records, replay)
         except _Overflow:  # at the first layer boundary after it: the rest cannot come first
             pass
         return numerics.first_nonfinite(records)
@@ -238,12 +238,13 @@ def _param_avals(names, checkpoint, module):
     ]
 
 
-def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None):
+def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None, replay=None):
     """Pass 3: ({output: relative error} (none when `exact` is None), records); the matmul
     weights as MXFP6 with element `mxfp6` holds them, when given; the tensors `keep` names
     (`ref.numerics.Record.key`s) left in float32. stop: a list the records go to, and the run
     stops (`_Overflow`) at the first layer call reached once one of them turned non-finite
-    (a plan's pairing reads only the first)."""
+    (a plan's pairing reads only the first); replay: a `layer_replay.Replay` of the last
+    run's layer calls, those that match not run again."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     records = [] if stop is None else stop
     errors, calls, buffers = {}, [], Buffers()
@@ -269,6 +270,13 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
 
         def run(*concrete):
             stopping()
+            key = None if replay is None else replay.key(path, concrete, keep)
+            again = None if replay is None else replay.get(k, key)
+            if again is not None:
+                records.extend(again[0])
+                stopping()
+                return again[1]
+            start = len(records)
             weights, stored = _layer_weights(names, checkpoint, module, buffers, precision, mxfp6)
             made, _ = probe_jit(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
@@ -281,6 +289,8 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
                     errors[n] = lw.error(store(n, v), exact[n])[1]
             log(f"  {spec.name}: layer {k} ({kind}) in {precision}")
             made = g.released(k, made)
+            if replay is not None:
+                replay.put(k, key, records[start:], made)
             give_back()
             stopping()
             return made
@@ -302,7 +312,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
         graphs.layer_scope(),
         graphs.layer_check(hook),
         nn.intercept_methods(lw.gather_rows(names, checkpoint)),
-        nn.intercept_methods(_head_call(spec.head, checkpoint, precision, records, keep)),
+        nn.intercept_methods(device_head(spec.head, checkpoint, precision, records, keep)),
     ):
         given = [a for j, a in enumerate(args) if j not in lazy]
         out, _ = numerics.probe(fn, precision, *given, records=records, keep=keep)
@@ -328,33 +338,6 @@ def _drawn_here(x):
     if not isinstance(x, graphs.Drawn):
         return x
     return host_call(lambda: [x.value()], [aval(x.shape, x.dtype)])[0]
-
-
-def _head_call(name, checkpoint, precision, records, keep=()):
-    """`layerwise.head_slices` as a host call: the device model of `Logits` on VOCAB_ROWS
-    rows of the head at a time, recorded under "Logits"."""
-
-    def interceptor(next_fun, args, kwargs, context):
-        module = context.module
-        mine = isinstance(module, Logits) and context.method_name == "__call__"
-        if not mine or args[1].size:
-            return next_fun(*args, **kwargs)
-        vocab = checkpoint.tensors[name].shape[0]
-        hidden = args[0]
-
-        def run(x):
-            parts = []
-            for rows in head_rows(checkpoint, name):
-                fn = Logits(cap=module.cap).apply
-                got = probe_jit(fn, precision, {}, x, rows, records=records, prefix="Logits",
-                                keep=keep)  # fmt: skip
-                parts.append(got[0])
-            return [jnp.concatenate(parts, axis=-1)]
-
-        (got,) = host_call(run, [aval((*hidden.shape[:-1], vocab))], hidden)
-        return got
-
-    return interceptor
 
 
 def precision_specialization(spec, model, folder, checkpoint, feed, precision, kv, log,
