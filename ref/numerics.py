@@ -70,6 +70,25 @@ def _narrowed(x, target):
     return x.astype(target).astype(x.dtype)
 
 
+# a concrete array of fewer values is rounded by numpy (`_rounded`)
+SMALL = 1 << 16
+
+
+def _rounded(x, precision):
+    """`round_to` as `_eval` rounds each value: a concrete array of fewer than SMALL values
+    by numpy (the same nearest-even conversion, checked on every kind of float32 bit
+    pattern), where each new shape cost `_narrowed` a trace, a lowering and a compile (op by
+    op, most of a small graph's tensors are new shapes); any other as `round_to`."""
+    if isinstance(x, jax.core.Tracer) or np.size(x) >= SMALL:
+        return round_to(x, precision)
+    x = np.asarray(x)
+    target = FORMATS[format_name(precision)]
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+        return x
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(target).astype(x.dtype)
+
+
 def store(x, kv_format):
     """x as the KV cache holds it in `kv_format` (float32, float16, bfloat16, mxint8)."""
     kv_format = format_name(kv_format, KV_FORMATS)
@@ -223,7 +242,7 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
 
     def read(v):
         if isinstance(v, core.Literal):
-            return round_to(v.val, precision) if _is_float(v.val) else v.val
+            return _rounded(v.val, precision) if _is_float(v.val) else v.val
         return env[v]
 
     def is_finite(v):
@@ -236,9 +255,9 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
     jaxpr = closed.jaxpr
     last, means = jaxpr_facts.last_uses(jaxpr), jaxpr_facts.means(jaxpr)
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[v] = round_to(c, precision)
+        env[v] = _rounded(c, precision)
     for j, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
-        env[v] = a if j in stored or j in loose else round_to(a, precision)
+        env[v] = a if j in stored or j in loose else _rounded(a, precision)
         if j in loose:
             unrounded.add(v)
         if finite_in is not None:
@@ -255,7 +274,7 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
             unrounded.update(eqn.outvars[j] for j in left)
         elif eqn.primitive is _HOST:
             outs = [
-                round_to(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
+                _rounded(o, precision) if isinstance(o, _ARRAYS) and _is_float(o) else o
                 for o in eqn.params["fn"](*ins)
             ]
         elif i in means:  # a mean's sum: float32, as the device's ReduceMean (`jaxpr_facts.means`)
@@ -310,7 +329,7 @@ def _results(eqn, ins, outs, precision, path, probing):
         if kept:
             unrounded.add(v)
         elif not exact:
-            o = round_to(o, precision)
+            o = _rounded(o, precision)
         if sink is not None and o.size:
             if operands is None:
                 pairs = zip(eqn.invars, ins, strict=True)

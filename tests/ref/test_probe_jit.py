@@ -217,3 +217,19 @@ def test_a_kept_tensor_stays_float32_in_a_body_and_a_move_of_it_is_rounded(seed,
     for name, got in runs.items():
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["fp16", "bf16"]), st.integers(1, 4096))
+def test_small_arrays_round_in_numpy_as_xla_rounds_them(seed, precision, n):
+    """`numerics._rounded` (numpy, for a concrete array of fewer than SMALL values) equals
+    `round_to` (XLA) bit for bit on float32 bit patterns of every kind: normal, subnormal,
+    past the format's range, ±inf and NaN."""
+    bits = np.random.default_rng(seed).integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    bits[: min(n, 4)] = [0x7F800000, 0x00000001, 0x477FF000, 0x7FC00000][: min(n, 4)]
+    x = bits.view(np.float32)
+    got = numerics._rounded(x, precision)
+    want = np.asarray(numerics.round_to(x, precision))
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    nan = np.isnan(got) & np.isnan(want)
+    assert (nan | (got.view(np.uint32) == want.view(np.uint32))).all()
