@@ -1,10 +1,24 @@
 """Static facts about a jaxpr that `ref.numerics`' device model reads while it evaluates one:
-where each value is last read, which sums are a mean's (one device operation), and which
-transposes a matmul can read through."""
+where each value is last read, which sums are a mean's (one device operation), which
+transposes a matmul can read through, and which operations only move values."""
 
 import jax
 import numpy as np
 from jax.extend import core
+
+# operations that only move or copy values: their result holds their operand's values, already
+# in the format when their operand is (not a tensor a plan keeps in float32), and rounding it
+# again changes nothing
+MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+                   "rev", "copy", "copy_p"})  # fmt: skip
+# moves whose result holds every value of their operand: the same statistics
+SAME_VALUES = MOVES - {"slice"}
+
+
+def reads_any(invars, found):
+    """True when one of `invars` (an equation's operands) is a var in the set `found` (in
+    `numerics`: the vars holding float32 values the device does not round, a plan's)."""
+    return any(not isinstance(v, core.Literal) and v in found for v in invars)
 
 
 def last_uses(jaxpr):

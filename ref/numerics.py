@@ -31,6 +31,7 @@ import numpy as np
 from jax.extend import core
 
 from ref import formats, jaxpr_facts, validate
+from ref.jaxpr_facts import reads_any as _reads
 from ref.mxint8 import mxint8_round_trip
 
 FORMATS = {name: getattr(jnp, name) for name in formats.COMPUTE}
@@ -268,7 +269,7 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
         body = _CALLS.get(eqn.primitive.name)
         if body is not None:
             known = None if sink is None else [is_finite(v) for v in eqn.invars]
-            mine = {j for j, v in enumerate(eqn.invars) if _reads_unrounded([v], unrounded)}
+            mine = {j for j, v in enumerate(eqn.invars) if _reads([v], unrounded)}
             outs, left = _evaluated(eqn.params[body], ins, precision, sink, path, known, places,
                                     moved, range(len(ins)), mine)  # fmt: skip
             unrounded.update(eqn.outvars[j] for j in left)
@@ -298,15 +299,6 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
     return outs, [j for j, v in enumerate(jaxpr.outvars) if v in unrounded]
 
 
-# operations that only move or copy values: their result holds their operand's values, already
-# in the format when their operand is (not a tensor a plan keeps in float32), and rounding it
-# again changes nothing
-_MOVES = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-                    "rev", "copy", "copy_p"})  # fmt: skip
-# moves whose result holds every value of their operand: the same statistics
-_SAME_VALUES = _MOVES - {"slice"}
-
-
 def _results(eqn, ins, outs, precision, path, probing):
     """An operation's results as the device stores them: each float one rounded, unless
     `places` keeps it in float32 (then it joins `unrounded`, the vars holding such values)
@@ -325,7 +317,7 @@ def _results(eqn, ins, outs, precision, path, probing):
         if places is not None and o.size:
             name, ordinal = places.place(path, eqn.primitive.name)
             kept = places.kept(name, eqn.primitive.name, ordinal)
-        exact = eqn.primitive.name in _MOVES and not _reads_unrounded(eqn.invars, unrounded)
+        exact = eqn.primitive.name in jaxpr_facts.MOVES and not _reads(eqn.invars, unrounded)
         if kept:
             unrounded.add(v)
         elif not exact:
@@ -334,17 +326,11 @@ def _results(eqn, ins, outs, precision, path, probing):
             if operands is None:
                 pairs = zip(eqn.invars, ins, strict=True)
                 operands = _all(is_finite(u) for u, x in pairs if _is_float(x))
-            same = exact and eqn.primitive.name in _SAME_VALUES
+            same = exact and eqn.primitive.name in jaxpr_facts.SAME_VALUES
             values = ins[0] if same else o
             finite[v] = sink(name, eqn.primitive.name, o, operands, (ordinal, kept), values)
         done.append(o)
     return done
-
-
-def _reads_unrounded(invars, unrounded):
-    """True when one of `invars` holds float32 values the device does not round
-    (`_evaluated`'s unrounded: a tensor a plan keeps)."""
-    return any(not isinstance(v, core.Literal) and v in unrounded for v in invars)
 
 
 def first_nonfinite(records):
