@@ -38,7 +38,7 @@ from codegen.check.device_graph import (
 from codegen.check.head_slices import device_head
 from codegen.check.layer_buffers import Buffers, Compiled, collected, stored_weights
 from codegen.check.layer_replay import Replay
-from codegen.check.plan_file import call_ordinals, producers_of, segment_keep, whole_names
+from codegen.check.plan_file import instances, plan_names, producers_of
 from codegen.folder.sessions import give_back
 from ref import numerics, validate
 from ref.numerics import aval, host_call
@@ -124,19 +124,19 @@ HELD_BYTES = 1 << 20
 
 
 class _OnnxProbe:
-    """Pass 2's sink: the largest finite |x| of the tensors rounded (a plan's `keep`,
-    whole-graph names, are not) and the first non-finite tensor over segments."""
+    """Pass 2's sink: the largest finite |x| of the tensors rounded (those a plan's names
+    `keep` are not) and the first non-finite tensor over segments."""
 
-    def __init__(self, log, keep, ordinals):
+    def __init__(self, log, keep):
         self.peak, self.bad, self.log, self.runs = 0.0, None, log, 0
-        self.keep, self.ordinals = keep, ordinals
+        self.keep = keep
 
     def __call__(self, model, names, got, feed):
         stats = stats_of(got, names)
         self.runs += 1
         if model.functions:
             self.log(f"onnx run {self.runs} (a layer call) done")
-        kept = segment_keep(model, self.keep, self.ordinals) if self.keep else ()
+        kept = instances(model, self.keep) if self.keep else ()
         self.peak = max([self.peak, *(st[0] for n, st in stats.items() if n not in kept)])
         if self.bad is not None:
             return
@@ -155,11 +155,10 @@ def _known(stats, feed):
 def _onnx_device(g, folder, feed, precision, exact, store, log, mxfp6, keep=(), shared=False):
     """Pass 2: (peak |x|, first non-finite name or None, {output: relative error}); each
     segment's matmul weights as MXFP6 with element `mxfp6` holds them, when given; the node
-    outputs `keep` names (whole-graph names: a node-precision plan) left in float32; shared:
-    its sessions' tensors from `sessions.shared_arena`."""
-    ordinals = call_ordinals(g.model)
-    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"), keep, ordinals)
-    rewrite = _device_rewrite(g.checkpoint, precision, mxfp6, keep, ordinals)
+    outputs `keep` names (a node-precision plan's names) left in float32; shared: its
+    sessions' tensors from `sessions.shared_arena`."""
+    probe = _OnnxProbe(lambda line: log(f"  {g.spec.name}: {line}"), keep)
+    rewrite = _device_rewrite(g.checkpoint, precision, mxfp6, keep)
     runner = sg.Runner(g.model, folder, feed, g.spec.head, g.checkpoint, rewrite=rewrite,
                        probe=probe, shared=shared)  # fmt: skip
     errors = {}
@@ -172,13 +171,14 @@ class _Overflow(Exception):
     """Raised by `_FirstOverflow` to stop a run at the first non-finite tensor."""
 
 
-def _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals):
+def _device_rewrite(checkpoint, precision, mxfp6, keep):
     """The `segments.Runner` rewrite of pass 2: each segment as the device computes it, its
-    matmul weights as MXFP6 when `mxfp6` is given, the plan's nodes `keep` (a list, whole-graph
-    names, read at each call: a search appends to it) left in float32."""
+    matmul weights as MXFP6 when `mxfp6` is given, the nodes the plan's names `keep` (a list,
+    read at each call: a search appends to it) keep left in float32 (`instances`: a body
+    name in the segment's call, whichever layer it is)."""
 
     def rewrite(m, full):
-        mine = segment_keep(m, keep, ordinals)
+        mine = instances(m, keep)
         m = mxfp6_weights.initializers(m, checkpoint, mxfp6)
         return device_graph(m, precision, keep=mine, stats="fast", full=full)
 
@@ -188,21 +188,25 @@ def _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals):
 class _FirstOverflow:
     """A pass-2 sink for a node-precision plan: the largest finite |x| of the tensors the plan
     leaves rounded, and the first tensor that turns non-finite ((name, op)), which stops the
-    run (`_Overflow`); names as the whole graph inlined names them (`whole_names`)."""
+    run (`_Overflow`); named as the plan names them (`plan_names`: a body name for a node
+    inside a layer call)."""
 
-    def __init__(self, keep, ordinals):
-        self.keep, self.ordinals, self.top, self.bad = keep, ordinals, (0.0, None), None
+    def __init__(self, keep):
+        self.keep, self.top, self.bad = keep, (0.0, None), None
 
     def __call__(self, model, names, got, feed):
         stats = stats_of(got, names)
         producers = producers_of(model)
         name = first_nonfinite_name(_known(stats, feed), names, producers)
-        whole = whole_names(model, producers, self.ordinals)
+        named = plan_names(model)
         if name is not None:
-            self.bad = (whole.get(name, name), producers[name].op_type)
+            if named[name] in self.keep:
+                raise ValueError(f"{name!r} is non-finite with {named[name]!r} kept")
+            self.bad = (named[name], producers[name].op_type)
             raise _Overflow(name)
-        rounded = [(st[0], whole.get(n, n)) for n, st in stats.items()]
-        self.top = max([self.top] + [r for r in rounded if r[1] not in self.keep])
+        kept = instances(model, self.keep)
+        rounded = [(st[0], named.get(n, n)) for n, st in stats.items() if n not in kept]
+        self.top = max([self.top, *rounded])
 
 
 def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None):
@@ -210,11 +214,12 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     `feed`, the node outputs in `keep` (a list, whole-graph names) left in float32; each tensor
     that turns non-finite is appended to `keep`, on_keep(name, op) is told (it may raise to
     stop), and the run goes on from the segment that made it, run again with it kept: the
-    segments before it are not run again (keeping a later node changes none of their values)
+    segments before it are not run again (keeping a later node changes none of their values;
+    a body name kept also keeps its node in earlier calls, which ran without it: the whole
+    plan is proven again by `verify --precision`)
     → (largest finite |x| left rounded, its name)."""
-    ordinals = call_ordinals(model)
-    sink = _FirstOverflow(keep, ordinals)
-    rewrite = _device_rewrite(checkpoint, precision, mxfp6, keep, ordinals)
+    sink = _FirstOverflow(keep)
+    rewrite = _device_rewrite(checkpoint, precision, mxfp6, keep)
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
     try:
         while True:

@@ -23,7 +23,9 @@ written to GRAPH.npi.ref.json (`codegen.check.plan_file`), so that `verify --pre
 keeps the plan in both device models.
 """
 
-from codegen.check import calibration, mxfp6_weights
+import re
+
+from codegen.check import calibration, mxfp6_weights, plan_file
 from codegen.check.device_graph import (
     device_session,
     first_nonfinite_name,
@@ -61,30 +63,65 @@ def same_operation(op, primitive):
     return primitive == op.lower() or primitive in _SAME_OP.get(op, ())
 
 
+def layer_of_call(call):
+    """The layer index a function call computes, read from its checkpoint weights' names
+    (`…layers.N.…`), or None where they name no single layer."""
+    found = {m.group(1) for i in call.input for m in [_LAYER.search(i)] if m}
+    return int(found.pop()) if len(found) == 1 else None
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=[.:])")
+
+
+def every_call(model):
+    """spread(name, key) → the `ref` keys of a plan's node in every call: a body name (kept
+    in every call of its function, as the compiler reads it) gives `key` (one layer's
+    `ref.numerics.Record.key`, `…layers.N…:op#k`) in each layer its function computes; a
+    top-level name, or a key naming no layer the function computes, gives [key]."""
+    layers = {}
+    for _, call, f in plan_file.function_calls(model):
+        layers.setdefault(f.name, []).append(layer_of_call(call))
+
+    def spread(name, key):
+        where = plan_file.calls_of(model, name)
+        found = _LAYER.search(key.split(":", 1)[0] + ":")
+        mine = layers.get(where[0], []) if where else []
+        if found is None or int(found.group(1)) not in mine or None in mine:
+            return [key]
+        at = found.span(1)
+        return [key[: at[0]] + str(n) + key[at[1] :] for n in mine]
+
+    return spread
+
+
 class RefPlan:
     """`ref`'s side of a plan, searched beside the graph's, node for node: on the same input,
     the tensor `ref`'s device model turns non-finite first (with the tensors paired so far
     kept in float32) is paired with the graph's node when both compute the same operation
-    (`same_operation`), and its `ref.numerics.Record.key` is kept. Where the two device models
-    part (another operation, or only one overflows), pairing stops and `parted` says where;
-    the graph's plan goes on alone (it is what QAIC reads)."""
+    (`same_operation`), and its `ref.numerics.Record.key` is kept, in every layer the graph's
+    node is kept in (`every_call`). Where the two device models part (another operation, or
+    only one overflows), pairing stops and `parted` says where; the graph's plan goes on
+    alone (it is what QAIC reads)."""
 
-    def __init__(self, first):
+    def __init__(self, first, spread=None):
         """first(feed, keep) → the first Record `ref`'s device model turns non-finite on
-        `feed` with the keys `keep` in float32, or None."""
+        `feed` with the keys `keep` in float32, or None; spread(name, key) → the keys of the
+        plan's node `name` in every call (`every_call`; None: [key])."""
         self.first, self.keep, self.parted = first, [], None
+        self.spread = spread or (lambda name, key: [key])
 
     def pair(self, label, feed, node=None):
-        """`ref`'s key for the graph's first non-finite node (name, op) on `feed` (None: the
-        graph stays finite there) → the key kept, or None."""
+        """`ref`'s keys for the graph's first non-finite node (plan name, op) on `feed` (None:
+        the graph stays finite there) → the keys kept, or None."""
         if self.parted is not None:
             return None
         record = self.first(feed, tuple(self.keep))
         if node is None and record is None:
             return None
         if node is not None and record is not None and same_operation(node[1], record.primitive):
-            self.keep.append(record.key)
-            return record.key
+            keys = self.spread(node[0], record.key)
+            self.keep += [k for k in keys if k not in self.keep]
+            return keys
         graph = "nothing" if node is None else f"{node[0]!r} ({node[1]})"
         mine = "nothing" if record is None else f"{record.key} {list(record.shape)}"
         self.parted = f"{label}: the graph turns {graph} non-finite first, ref {mine}"
@@ -93,28 +130,33 @@ class RefPlan:
 
 def plan_graph(entry, spec, model, folder, precision, feeds, log, ref):
     """The plan of one graph over its calibration inputs `feeds` [(label, feed)], `ref`'s side
-    paired by `ref` (a `RefPlan`) → (kept node names in the order found, [(label, name, op,
-    ref key or None)], headroom: (the format's largest finite value over the largest |x| left
-    rounded, that tensor's name))."""
+    paired by `ref` (a `RefPlan`) → (kept names in the order found, as the compiled file names
+    them (`plan_file.plan_names`: a body name keeps the node in every call), [(label, name,
+    op, ref keys or None)], headroom: (the format's largest finite value over the largest |x|
+    left rounded, that tensor's name))."""
     producers = {o: n for n in inline(model).graph.node for o in n.output}
+    named = plan_file.plan_names(model)
     keep, found, top = [], [], (0.0, None)
     for label, feed in feeds:
         while True:
-            session, names = device_session(model, entry, folder, precision, frozenset(keep))
+            kept = plan_file.instances(model, keep)
+            session, names = device_session(model, entry, folder, precision, kept)
             out = [o.name for o in session.get_outputs()]
             got = dict(zip(out, session.run(None, drawn_feed(feed)), strict=True))
             stats = stats_of(got, names)
             bad = first_nonfinite_name(stats, names, producers)
             if bad is None:
                 ref.pair(label, feed)
-                top = max([top] + [(stats[n][0], n) for n in names if n not in keep])
+                top = max([top] + [(stats[n][0], n) for n in names if n not in kept])
                 break
             if len(keep) == MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
-            op = producers[bad].op_type
-            found.append((label, bad, op, ref.pair(label, feed, (bad, op))))
-            keep.append(bad)
-            log(f"{spec.name} {label}: keep {bad!r} ({op}) in float32")
+            op, name = producers[bad].op_type, named[bad]
+            if name in keep:
+                raise PlanError(f"{spec.name}: {bad!r} is non-finite with {name!r} kept")
+            found.append((label, name, op, ref.pair(label, feed, (name, op))))
+            keep.append(name)
+            log(f"{spec.name} {label}: keep {name!r} ({op}) in float32")
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
 
@@ -166,31 +208,38 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
                             "graph needs a request with an image or a video)")  # fmt: skip
         if way(spec, entry, model, checkpoint, layerwise_given) == "layers":
             log(f"{spec.name}: planned layer by layer")
-            ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log))
+            ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log),
+                          every_call(model))  # fmt: skip
             keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
                                                 feeds, log, ref, mxfp6)  # fmt: skip
         else:
-            ref = RefPlan(whole_ref_first(spec, checkpoint, precision, mxfp6))
+            ref = RefPlan(whole_ref_first(spec, checkpoint, precision, mxfp6), every_call(model))
             device = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
             keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds,
                                                log, ref)  # fmt: skip
         write_plan(folder, spec.name, model, precision, found, ref.parted)
-        plans.append((spec.name, keep, found, headroom, ref.parted))
+        every = {name: plan_file.calls_of(model, name) for name in keep}
+        plans.append((spec.name, keep, found, headroom, ref.parted, every))
     return plans
 
 
 def plans_table(plans, precision):
-    """The report: per graph the nodes kept in float32 (where found, op) and the headroom."""
+    """The report: per graph the nodes kept in float32 (where found, op; a node inside a
+    layer function in each of its calls, which the compiler keeps with it) and the
+    headroom."""
     lines = []
-    for graph, keep, found, (ratio, tensor), parted in plans:
+    for graph, keep, found, (ratio, tensor), parted, every in plans:
+        calls = sum(every[n][1] if every[n] else 1 for n in keep)
         lines.append(
-            f"{graph}: {len(keep)} node(s) in float32, headroom {ratio:.4g}x in {precision} "
-            f"(largest rounded: {tensor!r})" + (f" -> {graph}{SUFFIX}" if keep else "")
+            f"{graph}: {len(keep)} node(s) in float32 ({calls} in all calls), headroom "
+            f"{ratio:.4g}x in {precision} (largest rounded: {tensor!r})"
+            + (f" -> {graph}{SUFFIX}" if keep else "")
         )
-        lines += [
-            f"  {s}: {name} ({op})" + (f" = ref {key}" if key else " (not paired in ref)")
-            for s, name, op, key in found
-        ]
+        for s, name, op, keys in found:
+            line = f"  {s}: {name} ({op})"
+            if every[name]:
+                line += f" in each of {every[name][0]}'s {every[name][1]} call(s)"
+            lines.append(line + (f" = ref {', '.join(keys)}" if keys else " (not paired in ref)"))
         if parted is not None:
             lines.append(f"  ref parts from the graph at {parted}")
     return "\n".join(lines)

@@ -2,13 +2,14 @@
 (`FP32NodeInstanceNames:`, which compile.sh passes as `-node-precision-info`), and
 GRAPH.npi.ref.json, the same nodes in `ref`'s terms (`ref.numerics.Record.key`s, paired by
 `codegen.check.npi.RefPlan`), which `verify --precision` reads to keep them in float32 on
-`ref`'s side too. A plan names values as the whole graph inlined names them; a layer-by-layer
-run maps them to each segment's own names (`segment_keep`, `whole_names`)."""
+`ref`'s side too. A plan names values as the file compile.sh compiles holds them: with
+`-sub-functions`, a node inside a layer function by its body name (`FUNCTION/value`, which
+keeps it in every call of that function) and any other by its top-level name; `instances`
+gives the values of a graph, or of one segment of it, that a plan keeps, as onnx's inliner
+names them (what the device model runs)."""
 
 import json
 import os
-
-import onnx
 
 from codegen.check.device_graph import inline
 from codegen.folder.sessions import atomic_text
@@ -28,8 +29,10 @@ def npi_yaml(names):
 
 
 def read_npi(path, model):
-    """The names of a node-precision-info file, each checked to be a node output of `model`
-    (inlined) → list; PlanError naming the first unknown one."""
+    """The names of a node-precision-info file, each checked to be a name the compiled file
+    holds (`_named`: a top-level node output, or a node output in a function body, the graph
+    compiled with `-sub-functions` when it has functions) → list; PlanError naming the first
+    unknown one and the graph."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -38,24 +41,26 @@ def read_npi(path, model):
     if not lines or lines[0].strip() != "FP32NodeInstanceNames:":
         raise PlanError(f"{path}: expected 'FP32NodeInstanceNames:' on its first line")
     names = [line.strip()[1:].strip().strip('"') for line in lines[1:] if line.strip()]
-    made = {o for n in inline(model).graph.node for o in n.output}
+    known = {name for _, name in _named(model)}
     for name in names:
-        if name not in made:
-            raise PlanError(f"{path}: node output {name!r} is not in the graph")
+        if name not in known:
+            where = "at its top level or in a function body" if model.functions else ""
+            raise PlanError(f"{path}: node output {name!r} is not in graph "
+                            f"{model.graph.name!r} {where}".rstrip())  # fmt: skip
     return names
 
 
 def write_plan(folder, graph, model, precision, found, parted):
-    """GRAPH.npi.yaml (QAIC's) and GRAPH.npi.ref.json (each node with `ref`'s name for it, and
-    where the two device models parted) for the rows `found`; neither when it is empty (old
-    ones removed)."""
+    """GRAPH.npi.yaml (QAIC's) and GRAPH.npi.ref.json (each node with `ref`'s names for it,
+    one per layer it is kept in, and where the two device models parted) for the rows
+    `found`; neither when it is empty (old ones removed)."""
     path, ref_path = (os.path.join(folder, graph + suffix) for suffix in (SUFFIX, REF_SUFFIX))
     if not found:
         for old in (path, ref_path):
             if os.path.exists(old):
                 os.remove(old)
         return
-    nodes = [{"onnx": name, "op": op, "ref": key} for _, name, op, key in found]
+    nodes = [{"onnx": name, "op": op, "ref": keys} for _, name, op, keys in found]
     atomic_text(path, npi_yaml([n["onnx"] for n in nodes]))
     read_npi(path, model)
     text = json.dumps({"precision": precision, "nodes": nodes, "parted": parted}, indent=2)
@@ -63,10 +68,11 @@ def write_plan(folder, graph, model, precision, found, parted):
 
 
 def folder_plan(folder, graph, model):
-    """The plan in `folder` for `graph` (its ModelProto `model`) → (node names, `ref` keys,
-    note): empty with note None when the folder has none; the keys of the nodes the ref file
-    pairs, and a note naming how many it does not (a hand-written file, or where the two
-    device models parted)."""
+    """The plan in `folder` for `graph` (its ModelProto `model`) → (node names as the plan
+    holds them (`instances` gives the values they keep), `ref` keys, note): empty with note
+    None when the folder has none; the keys of the nodes the ref file pairs, and a note
+    naming how many it does not (a hand-written file, or where the two device models
+    parted)."""
     path, ref_path = (os.path.join(folder, graph + suffix) for suffix in (SUFFIX, REF_SUFFIX))
     if not os.path.exists(path):
         return [], [], None
@@ -75,8 +81,9 @@ def folder_plan(folder, graph, model):
     if os.path.exists(ref_path):
         with open(ref_path) as f:
             paired = {n["onnx"]: n["ref"] for n in json.load(f)["nodes"] if n["ref"]}
-    keys = [paired[n] for n in names if n in paired]
-    note = f"{graph + SUFFIX}: {len(names)} node(s) in float32, {len(keys)} of them in ref"
+    keys = [k for n in names if n in paired for k in paired[n]]
+    both = sum(n in paired for n in names)
+    note = f"{graph + SUFFIX}: {len(names)} node(s) in float32, {both} of them in ref"
     return names, keys, note
 
 
@@ -85,34 +92,54 @@ def producers_of(segment):
     return {o: n for n in inline(segment).graph.node for o in n.output}
 
 
-def call_ordinals(model):
-    """{function call node's name: its place (1, 2, …) among the graph's function calls}: the
-    N of the "__N" suffix onnx's inliner gives the values of that call."""
-    functions = {f.name for f in model.functions}
-    calls = [n for n in model.graph.node if n.op_type in functions]
-    return {n.name: i for i, n in enumerate(calls, start=1)}
+def function_calls(model):
+    """[(N, call node, its FunctionProto)]: the graph's function calls in node order, N the
+    "__N" onnx's inliner gives the values of that call's body; PlanError for a body that calls
+    a function (its values would be numbered otherwise)."""
+    functions = {(f.domain, f.name): f for f in model.functions}
+    calls = [(n, functions[n.domain, n.op_type]) for n in model.graph.node
+             if (n.domain, n.op_type) in functions]  # fmt: skip
+    for f in model.functions:
+        if any((n.domain, n.op_type) in functions for n in f.node):
+            raise PlanError(f"function {f.name!r} calls a function: expected flat layer bodies")
+    return [(i, node, f) for i, (node, f) in enumerate(calls, start=1)]
 
 
-def whole_names(segment, inlined, ordinals):
-    """{a value's name in the inlined `segment` (`inlined`: its value names): its name in the
-    whole graph inlined} for the values of the segment's layer call (named "…__1" there, as
-    its graph's only call, and "…__N" in the whole graph, N = `ordinals[call]`); a glue
-    segment's names are the whole graph's own (empty map)."""
-    calls = [n for n in segment.graph.node if n.name in ordinals]
-    if len(calls) != 1:
-        return {}
-    suffix = f"__{ordinals[calls[0].name]}"
-    top = {o for n in segment.graph.node for o in n.output}
-    return {o: o[: -len("__1")] + suffix for o in inlined if o.endswith("__1") and o not in top}
+def _named(model):
+    """[(a value of `model` inlined, a name a plan keeps it by)]: a top-level node output by
+    its name; a value a function call makes by its body name, which stands for that node in
+    every call (`-sub-functions`: the compiler reads the body once); a function's result is
+    also the call's output, a top-level name."""
+    pairs = [(o, o) for n in model.graph.node for o in n.output if o]
+    for i, call, f in function_calls(model):
+        results = dict(zip(f.output, call.output, strict=True))
+        pairs += [(results.get(b, f"{b}__{i}"), b) for n in f.node for b in n.output if b]
+    return pairs
 
 
-def segment_keep(segment, keep, ordinals):
-    """The whole-graph names `keep` as `segment` names them: the plan names values as the whole
-    graph inlined does; a segment names its call's "…__1" (and another call's "…__1" in the
-    plan is not this one's) → frozenset."""
-    if not keep:
-        return frozenset()
-    inlined = producers_of(onnx.ModelProto.FromString(segment.SerializeToString()))
-    names = whole_names(segment, inlined, ordinals)
-    mine = {a for a, b in names.items() if b in keep}
-    return frozenset(mine | {n for n in keep if n not in names})
+def plan_names(model):
+    """{a value of `model` inlined: the name a plan gives it} (`_named`; a call's result by
+    its top-level name). `model`: a whole graph or a segment of it (one call, numbered 1 in
+    it): the plan's names are the same in both."""
+    names = {}
+    for value, name in _named(model):
+        names.setdefault(value, name)
+    return names
+
+
+def instances(model, plan):
+    """The values of `model` inlined that the names `plan` keep in float32, as the compiler
+    reads them: a body name in every call of its function → frozenset."""
+    plan = set(plan)
+    return frozenset(value for value, name in _named(model) if name in plan)
+
+
+def calls_of(model, name):
+    """(function name, its calls) of the body name `name`, or None for a top-level name."""
+    counts = {}
+    for _, _, f in function_calls(model):
+        counts[f.name] = counts.get(f.name, 0) + 1
+    for f in model.functions:
+        if any(name in n.output for n in f.node):
+            return f.name, counts.get(f.name, 0)
+    return None

@@ -35,7 +35,7 @@ from codegen.check.device_graph import (
 )
 from codegen.check.layered_precision import precision_specialization
 from codegen.check.layerwise import error
-from codegen.check.plan_file import folder_plan
+from codegen.check.plan_file import folder_plan, instances
 from codegen.check.verify import opened, way
 from codegen.folder.sessions import fix_mmap_threshold
 from ref import numerics
@@ -185,7 +185,8 @@ def _layered(spec, entry, model, folder, checkpoint, precision, kv, seed, log, m
 def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxfp6, plan):
     producers = {o: n for n in inline(model).graph.node for o in n.output}
     model = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
-    session, names = device_session(model, entry, folder, precision, frozenset(plan[0]))
+    kept = instances(model, plan[0])
+    session, names = device_session(model, entry, folder, precision, kept)
     weights = [checkpoint.read(n).astype(np.float32) for n in spec.weights]
     stored = mxfp6_weights.weights(spec.weights, weights, mxfp6)
     retained_out = {b for _, b in spec.retained}
@@ -204,7 +205,7 @@ def _whole(spec, entry, model, folder, checkpoint, precision, kv, seed, log, mxf
                 mine, theirs = numerics.store(mine, kv), numerics.store(theirs, kv)
             errors.append((t.name, error(mine, want)[1], error(theirs, want)[1]))
         stats = stats_of(got, names)
-        rounded = [st[0] for n, st in stats.items() if n not in plan[0]]
+        rounded = [st[0] for n, st in stats.items() if n not in kept]
         yield (
             s,
             {

@@ -5,6 +5,7 @@ spec's `static` are bound to the first specialization's values at trace time (bl
 are compile-time constants); the graph's inputs and outputs are labelled with them afterwards.
 """
 
+import collections
 import contextlib
 import logging
 from pathlib import Path
@@ -241,7 +242,33 @@ def trace(spec, tensors):
         )
     if spec.static or any(t.dtype == "int64" for t in spec.inputs):
         _label_symbols(model, spec)
+    scope_function_values(model)
     return model
+
+
+def scope_function_values(model):
+    """Name every value a function body makes `FUNCTION/name`, in place. jax2onnx names a body's
+    values as it names the top level's (`add_out_0` in every layer function and at the top):
+    a node-precision plan compiled with `-sub-functions` names a body's node by its body name
+    (QEfficient's `generate_npi_file`), and only a name no other scope holds says which node
+    it keeps. Raises ValueError where a name is still made twice (two functions of one
+    name), or a body holds a subgraph (which would read the old names)."""
+    for f in model.functions:
+        if any(a.HasField("g") or a.graphs for n in f.node for a in n.attribute):
+            raise ValueError(f"function {f.name!r} holds a subgraph: expected none")
+        scoped = {o: f"{f.name}/{o}" for n in f.node for o in n.output if o}
+        for node in f.node:
+            node.input[:] = [scoped.get(i, i) for i in node.input]
+            node.output[:] = [scoped.get(o, o) for o in node.output]
+        f.output[:] = [scoped.get(o, o) for o in f.output]
+        for value in f.value_info:
+            value.name = scoped.get(value.name, value.name)
+    made = [o for n in model.graph.node for o in n.output if o]
+    made += [o for f in model.functions for n in f.node for o in n.output if o]
+    twice = sorted(o for o, k in collections.Counter(made).items() if k > 1)
+    if twice:
+        raise ValueError(f"values made in more than one scope: {twice[:5]}; expected one "
+                         "function of each name")  # fmt: skip
 
 
 def _label_symbols(model, spec):
