@@ -24,20 +24,24 @@ from ref.cache import (
 from ref.gemma4.text_config import SLIDING
 
 
-def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_only=False):
+def init_cache(
+    config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_only=False, drafts=0
+):
     """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
 
-    ring: sliding-window layers keep only a ring of W = min(sliding_window, ctx_len) slots
-    (position p in slot p mod W), as a deployment would. slots_only: keys and values only, as
+    ring: sliding-window layers keep only a ring of R = min(sliding_window + drafts, ctx_len)
+    slots (position p in slot p mod R), as a deployment would; drafts: the draft tokens a
+    speculative round verifies (`ref.gemma4.speculative`), whose rejected keys must not evict
+    a key a later step or the drafter reads (`ring_slots`). slots_only: keys and values only, as
     QAIC's retained state holds them; which position a slot holds is derived from each step's
     position_ids instead of recorded (see `linear_memory`), and no vision run continues from one
     step into the next (a prefill chunk must not split an image run).
     → {"k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and unless
     slots_only "pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 =
-    text), with ring also "ring_pos", "ring_group": [B, W]}.
+    text), with ring also "ring_pos", "ring_group": [B, R]}.
     """
     c = config
-    window = min(c.sliding_window, ctx_len)
+    window = ring_slots(c.sliding_window, ctx_len, drafts)
 
     def shape(i):
         slots = window if ring and c.layer_types[i] == SLIDING else ctx_len
@@ -56,6 +60,23 @@ def init_cache(config, batch, ctx_len, dtype=jnp.float32, *, ring=False, slots_o
         cache["ring_pos"] = jnp.full((batch, window), -1, jnp.int32)
         cache["ring_group"] = jnp.full((batch, window), -1, jnp.int32)
     return cache
+
+
+def ring_slots(window, ctx_len, drafts=0):
+    """Slots of a sliding layer's ring: W, or W + drafts + 1 under speculation; at most ctx_len.
+    A speculative round writes drafts + 1 keys from the position of its last token and may
+    keep one; the rejected keys, up to P + drafts − 1 for the next round's first position P,
+    evict the positions up to P + drafts − 1 − R. The next round's first query reads back to
+    P + 1 − W, its drafter (`ref.gemma4.assistant`: distance ≤ W) to P − 1 − W: R ≥ W +
+    drafts + 1 keeps both (`tests/ref/test_speculative.py`)."""
+    if not isinstance(drafts, int) or drafts < 0:
+        raise ValueError(f"drafts={drafts!r}: expected an int >= 0")
+    return min(window + drafts + 1 if drafts else window, ctx_len)
+
+
+def ring_len(config, cache):
+    """The ring's slot count R of a cache whose sliding layers keep a ring (`uses_ring`)."""
+    return min(k.shape[2] for i, k in cache["k"].items() if config.layer_types[int(i)] == SLIDING)
 
 
 def cache_len(cache):
@@ -184,9 +205,10 @@ def ring_positions(positions, window):
 
 
 def ring_memory(cache, positions, groups, window, rows=None):
-    """Sliding layers in a ring of W slots: like `linear_memory` (rows too), but a step
-    attends to the ring as it was plus its own keys ([B, Hkv, W + S, hd], keys {"kv_pos",
-    "kv_group"} [B, W + S]) and then the ring keeps each row's last W positions.
+    """Sliding layers in a ring of `window` = R slots (`ring_slots`): like `linear_memory`
+    (rows too), but a step attends to the ring as it was plus its own keys ([B, Hkv, R + S,
+    hd], keys {"kv_pos", "kv_group"} [B, R + S]; the mask's sliding window picks the last W)
+    and then the ring keeps each row's last R positions.
     """
     if "ring_pos" in cache:
         ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]

@@ -105,7 +105,8 @@ def apply_step(
     whole and attended over its first K slots (`ref.gemma4.kv_cache.linear_memory`); moe: how
     the experts run, None (dense), a `ref.moe_modes.MoeMode` or its text ("gather", "nsp:…").
     → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
-    last_only), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
+    last_only), "hidden": the final norm's output the logits are made from ([B, S, D] or
+    [B, 1, D]: what an MTP drafter reads), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
     (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
     """
     slots = None if batch_index is None else batch_index[:, 0]
@@ -130,7 +131,7 @@ def apply_step(
         hidden = jnp.take_along_axis(hidden, last, axis=1)
     weight = params["embed_tokens"]["weight"] if lm_head is None else lm_head
     logits = Logits(config.final_logit_softcapping).apply({}, hidden, weight)
-    out = {"logits": logits, "cache": model["cache"]}
+    out = {"logits": logits, "hidden": hidden, "cache": model["cache"]}
     if "image_idx" in model:
         out["image_idx"] = model["image_idx"]
     if return_hidden:

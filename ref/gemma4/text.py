@@ -16,12 +16,7 @@ from functools import partial
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ref.gemma4.kv_cache import (
-    cache_len,
-    linear_memory,
-    ring_memory,
-    uses_ring,
-)
+from ref.gemma4.kv_cache import linear_memory, ring_len, ring_memory, uses_ring
 from ref.gemma4.moe import Experts, Router
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.layers import Embedding, RMSNorm, Weight, gated_mlp, gelu_tanh, linear, rms_norm
@@ -278,8 +273,8 @@ class TextModel(nn.Module):
         cache, full, full_write = linear_memory(cache, positions, groups, slots, key_len)
         sliding, sliding_write = full, full_write
         if uses_ring(c, cache):
-            window = min(c.sliding_window, cache_len(cache))
-            cache, sliding, sliding_write = ring_memory(cache, positions, groups, window, slots)
+            ring = ring_len(c, cache)
+            cache, sliding, sliding_write = ring_memory(cache, positions, groups, ring, slots)
         mask_args = layer_mask_args(c, positions, groups, full, sliding)
         writes = {FULL: full_write, SLIDING: sliding_write}
 

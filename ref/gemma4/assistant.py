@@ -1,0 +1,218 @@
+"""Gemma 4's multi-token-prediction drafter (`Gemma4AssistantForCausalLM`, transformers'
+gemma4_assistant; `google/gemma-4-*-it-assistant`) as Flax modules with the checkpoint's names.
+
+One draft step: `pre_projection(cat(target's scaled embedding of the last token, h))`, then
+decoder layers whose attention has queries only (q_proj, q_norm, RoPE at the round's position,
+o_proj) over the target's keys and values of the last non-shared layer of each attention type
+(`shared_layers`), bidirectional over the positions before the query (a sliding layer over the
+W + 1 positions before it: transformers' bidirectional window, distance ≤ W, looking back), the final norm, and two results: the logits
+(the tied head, or with `use_ordered_embeddings` the centroid head, `centroid_logits`) and
+`post_projection` of the normed state, the next step's h. The first step's h is the target's
+final-norm hidden state at the position that chose the last token.
+
+Which target keys a draft reads: those at positions before the query (`draft_keys`). In a round
+after the first, transformers' candidate generator slices the target's outputs to the current
+length, so its drafter also sees the rejected draft's key at the query's own position, and in
+sliding layers the rejected drafts' keys up to the round's end (docs/codegen.md); here a draft
+reads only accepted tokens' keys, as transformers' first round does.
+"""
+
+import dataclasses
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ref.attention import reference
+from ref.gemma4.text import DecoderLayer
+from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.layers import RMSNorm, Weight, linear
+
+DEFAULT_DRAFTS = 4  # drafts per round when neither the caller nor generation_config names it
+
+
+@dataclasses.dataclass(frozen=True)
+class AssistantConfig:
+    """The drafter's hyper-parameters (hashable: jit-static): its decoder (`text`: every layer
+    reads the target's keys, `kv_source` −1), the target's hidden size, the centroid head's
+    sizes (ordered_embeddings), generation_config's `num_assistant_tokens` (None: absent),
+    and whether the head is the drafter's `model.embed_tokens` (tied) or its `lm_head`."""
+
+    text: TextConfig
+    backbone_hidden_size: int
+    ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_top_k: int = 32
+    num_assistant_tokens: int | None = None
+    tied: bool = True
+
+    @classmethod
+    def from_hf(cls, config, generation_config=None):
+        """From a Gemma4AssistantConfig dict (config.json) and its generation_config.json dict;
+        ValueError for what transformers' `validate_architecture` refuses."""
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        if kind != "gemma4_assistant" or not isinstance(config.get("text_config"), dict):
+            raise ValueError(
+                f"model_type={kind!r}: expected a 'gemma4_assistant' config with a text_config"
+            )
+        text = config["text_config"]
+        n = int(text.get("num_hidden_layers", 30))
+        for key, want in (("hidden_size_per_layer_input", 0), ("vocab_size_per_layer_input", 0),
+                          ("enable_moe_block", False), ("use_double_wide_mlp", False)):  # fmt: skip
+            if (text.get(key) or 0) != want:
+                raise ValueError(f"text_config.{key}={text.get(key)!r}: an assistant has {want}")
+        shared = text.get("num_kv_shared_layers") or n
+        if shared != n:
+            raise ValueError(
+                f"text_config.num_kv_shared_layers={shared}: every assistant layer reads the "
+                f"target's keys (expected {n})"
+            )
+        resolved = TextConfig.from_hf(dict(text, num_kv_shared_layers=0))
+        resolved = dataclasses.replace(resolved, kv_source=(-1,) * n)
+        drafts = (generation_config or {}).get("num_assistant_tokens")
+        top_k, centroids = (
+            config.get("centroid_intermediate_top_k", 32),
+            config.get("num_centroids", 2048),
+        )
+        out = cls(resolved, int(config.get("backbone_hidden_size", 1536)),
+                  bool(config.get("use_ordered_embeddings", False)), int(centroids), int(top_k),
+                  None if drafts is None else int(drafts),
+                  bool(config.get("tie_word_embeddings", True)))  # fmt: skip
+        if out.ordered_embeddings and resolved.vocab_size % out.num_centroids:
+            raise ValueError(f"vocab_size={resolved.vocab_size} is not a multiple of "
+                             f"num_centroids={out.num_centroids}")  # fmt: skip
+        return out
+
+
+def shared_layers(target):
+    """{layer type: the target's last layer of that type that computes its own keys} (a
+    `TextConfig`): the layers whose keys and values the drafter reads (transformers'
+    `kv_sharing_modes` "store")."""
+    return {
+        kind: max(
+            i for i, t in enumerate(target.layer_types) if t == kind and not target.shares_kv(i)
+        )
+        for kind in sorted(set(target.layer_types))
+    }
+
+
+def draft_keys(keys, values, kv_pos, position):
+    """One layer type's keys as a draft at `position` reads them: (k, v [B, Hkv, T, hd],
+    kv_pos [B, T] with every slot at or after the query's position marked empty (−1))."""
+    return keys, values, jnp.where((kv_pos >= 0) & (kv_pos < position), kv_pos, -1)
+
+
+class _Layers(nn.Module):
+    """`model.layers`: the drafter's decoder layers named "0", "1", … over the target's keys."""
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, x, positions, keys):
+        c = self.config
+        for i in range(c.num_hidden_layers):
+            kind = c.layer_types[i]
+            k, v, kv_pos = keys[kind]
+            args = dict(q_pos=positions, kv_pos=kv_pos)
+            if kind == SLIDING:  # W + 1 keys before the query: |q − k| ≤ W, looking back
+                args["sliding_window"] = c.sliding_window + 2
+            x, _, _ = DecoderLayer(c, i, name=str(i))(x, None, positions, (k, v), args,
+                                                      reference, None)  # fmt: skip
+        return x
+
+
+class _Body(nn.Module):
+    """`model`: the layers and the final norm → (normed [B, S, D], `embed_tokens` [V, D], the
+    drafter's own table, read only as its tied head)."""
+
+    config: TextConfig
+
+    @nn.compact
+    def __call__(self, x, positions, keys):
+        c = self.config
+        x = _Layers(c, name="layers")(x, positions, keys)
+        table = Weight((c.vocab_size, c.hidden_size), name="embed_tokens")()
+        return RMSNorm(c.rms_norm_eps, name="norm")(x), table
+
+
+class _Centroids(nn.Module):
+    """`masked_embedding`: the centroid head's parameters → `centroid_logits`."""
+
+    config: AssistantConfig
+
+    @nn.compact
+    def __call__(self, hidden, head):
+        c = self.config
+        weight = Weight((c.num_centroids, c.text.hidden_size), name="centroids")()
+        ordering = self.param("token_ordering", nn.initializers.zeros, (c.text.vocab_size,),
+                              jnp.int32)  # fmt: skip
+        return centroid_logits(hidden, head, weight, ordering, c.centroid_top_k)
+
+
+class Assistant(nn.Module):
+    """Gemma4AssistantForCausalLM, one draft step (see the module).
+
+    __call__(embeds [B, S, Db]: the target's scaled embedding of the last token, h [B, S, Db],
+    positions [B, S], keys {layer type: (k, v [B, Hkv, T, hd], kv_pos [B, T])} (`draft_keys`))
+    → {"logits": [B, S, V] float32, "hidden": [B, S, D] after the final norm, "projected":
+    [B, S, Db], the next step's h}."""
+
+    config: AssistantConfig
+
+    @nn.compact
+    def __call__(self, embeds, h, positions, keys):
+        c = self.config
+        d = c.text.hidden_size
+        x = linear(jnp.concatenate([embeds, h.astype(embeds.dtype)], axis=-1),
+                   Weight((d, 2 * c.backbone_hidden_size), name="pre_projection")())  # fmt: skip
+        hidden, head = _Body(c.text, name="model")(x, positions, keys)
+        projected = linear(hidden, Weight((c.backbone_hidden_size, d), name="post_projection")())
+        if not c.tied:
+            head = Weight((c.text.vocab_size, d), name="lm_head")()
+        if c.ordered_embeddings:
+            logits = _Centroids(c, name="masked_embedding")(hidden, head)
+        else:
+            logits = linear(hidden, head)
+        return {"logits": logits.astype(jnp.float32), "hidden": hidden, "projected": projected}
+
+
+def centroid_logits(hidden, head, centroids, ordering, top_k):
+    """The ordered-embedding head (`Gemma4AssistantMaskedEmbedder`): the `top_k` centroids of
+    `hidden` each own V/C token ids (`ordering` [V] read as [C, V/C]); those ids get
+    `hidden · head[id]`, every other id the least of those over the whole batch less 1.
+
+    hidden: [B, S, D]; head: [V, D]; centroids: [C, D] → [B, S, V]."""
+    b, s, _ = hidden.shape
+    v, c = head.shape[0], centroids.shape[0]
+    _, top = lax.top_k(linear(hidden, centroids), top_k)  # [B, S, k]
+    ids = ordering.astype(jnp.int32).reshape(c, v // c)[top].reshape(b, s, -1)
+    chosen = jnp.einsum("bsd,bsnd->bsn", hidden, head.astype(hidden.dtype)[ids])
+    filled = jnp.full((b, s, v), jnp.min(chosen) - 1.0, chosen.dtype)
+    rows = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
+    return filled.at[rows[0], rows[1], ids].set(chosen)
+
+
+@jax.jit
+def _embedded(table, ids, scale):
+    return table[ids] * scale.astype(table.dtype)
+
+
+def target_embedding(params, ids, hidden_size):
+    """The target's scaled token embedding (`Gemma4TextScaledWordEmbedding`) of ids [B, S]
+    → [B, S, D] (params: its `model.language_model` tree)."""
+    return _embedded(params["embed_tokens"]["weight"], ids, jnp.asarray(hidden_size**0.5))
+
+
+def draft_step(params, config, embeds, h, positions, keys):
+    """`Assistant` applied with `params` (the checkpoint's tree), compiled per config."""
+    return _draft_step(params, embeds, h, positions, keys, config=config)
+
+
+@partial(jax.jit, static_argnames=("config",))
+def _draft_step(params, embeds, h, positions, keys, *, config):
+    return Assistant(config).apply({"params": params}, embeds, h, positions, keys)
+
+
+__all__ = ["FULL", "SLIDING", "Assistant", "AssistantConfig", "centroid_logits"]

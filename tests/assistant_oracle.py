@@ -1,0 +1,63 @@
+"""transformers' Gemma4AssistantForCausalLM as the drafter's oracle: a tiny assistant for a
+tiny target (`text_oracle.text_config`), every tensor randomized, and its checkpoint tree."""
+
+import numpy as np
+import torch
+from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+from tests.hf_vision import randomize_
+
+TARGET_KEYS = ("vocab_size", "head_dim", "global_head_dim", "num_key_value_heads",
+               "num_global_key_value_heads", "attention_k_eq_v", "sliding_window",
+               "rope_parameters")  # fmt: skip
+
+
+def assistant_config(target, layer_types, *, ordered, tied=True, drafts=None):
+    """A Gemma4AssistantConfig dict for the target text config dict `target`: its attention
+    geometry, `layer_types` of its own, hidden 24; ordered: the centroid head (8 centroids,
+    top 2); drafts: generation_config's num_assistant_tokens (set on the model)."""
+    text = {k: target[k] for k in TARGET_KEYS if k in target}
+    text.update(
+        model_type="gemma4_text", hidden_size=24, intermediate_size=20, num_attention_heads=4,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_kv_shared_layers=len(layer_types), hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, enable_moe_block=False, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return dict(model_type="gemma4_assistant", text_config=text,
+                backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
+                num_centroids=8, centroid_intermediate_top_k=2, tie_word_embeddings=tied)  # fmt: skip
+
+
+def hf_assistant(config, seed, drafts=None):
+    """A randomized float32 eager Gemma4AssistantForCausalLM of `assistant_config`'s dict; its
+    token_ordering a random permutation; drafts: its generation_config's num_assistant_tokens."""
+    cfg = Gemma4AssistantConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).eval()
+    randomize_(model.model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.startswith("model.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            if name.endswith("token_ordering"):
+                t.copy_(torch.randperm(t.shape[0], generator=g))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float64) / t.shape[1] ** 0.5)
+    model.generation_config.num_assistant_tokens = drafts
+    return model
+
+
+def assistant_params(model):
+    """The assistant's checkpoint tree as `ref.gemma4.assistant.Assistant` reads it (numpy;
+    a tied head saved once, as `model.embed_tokens.weight`)."""
+    from ref.gemma4.params import nested
+
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    names = sorted(state)
+    leaves = [state[n].numpy().astype(np.int32 if "ordering" in n else np.float32) for n in names]
+    return nested(names, leaves)
