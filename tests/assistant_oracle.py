@@ -12,10 +12,10 @@ TARGET_KEYS = ("vocab_size", "head_dim", "global_head_dim", "num_key_value_heads
                "rope_parameters")  # fmt: skip
 
 
-def assistant_config(target, layer_types, *, ordered, tied=True, drafts=None):
+def assistant_config(target, layer_types, *, ordered, tied=True):
     """A Gemma4AssistantConfig dict for the target text config dict `target`: its attention
     geometry, `layer_types` of its own, hidden 24; ordered: the centroid head (8 centroids,
-    top 2); drafts: generation_config's num_assistant_tokens (set on the model)."""
+    top 2); tied: the head is model.embed_tokens (else an lm_head of its own)."""
     text = {k: target[k] for k in TARGET_KEYS if k in target}
     text.update(
         model_type="gemma4_text", hidden_size=24, intermediate_size=20, num_attention_heads=4,
@@ -25,7 +25,8 @@ def assistant_config(target, layer_types, *, ordered, tied=True, drafts=None):
     )  # fmt: skip
     return dict(model_type="gemma4_assistant", text_config=text,
                 backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
-                num_centroids=8, centroid_intermediate_top_k=2, tie_word_embeddings=tied)  # fmt: skip
+                num_centroids=8, centroid_intermediate_top_k=2,
+                tie_word_embeddings=tied)  # fmt: skip
 
 
 def hf_assistant(config, seed, drafts=None):

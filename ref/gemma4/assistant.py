@@ -5,10 +5,11 @@ One draft step: `pre_projection(cat(target's scaled embedding of the last token,
 decoder layers whose attention has queries only (q_proj, q_norm, RoPE at the round's position,
 o_proj) over the target's keys and values of the last non-shared layer of each attention type
 (`shared_layers`), bidirectional over the positions before the query (a sliding layer over the
-W + 1 positions before it: transformers' bidirectional window, distance ≤ W, looking back), the final norm, and two results: the logits
-(the tied head, or with `use_ordered_embeddings` the centroid head, `centroid_logits`) and
-`post_projection` of the normed state, the next step's h. The first step's h is the target's
-final-norm hidden state at the position that chose the last token.
+W + 1 positions before it: transformers' bidirectional window, distance ≤ W, looking back),
+the final norm, and two results: the logits (the tied head, or with `use_ordered_embeddings`
+the centroid head, `centroid_logits`) and `post_projection` of the normed state, the next
+step's h. The first step's h is the target's final-norm hidden state at the position that
+chose the last token.
 
 Which target keys a draft reads: those at positions before the query (`draft_keys`). In a round
 after the first, transformers' candidate generator slices the target's outputs to the current
@@ -28,6 +29,7 @@ from jax import lax
 from ref.attention import reference
 from ref.gemma4.text import DecoderLayer
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.gemma4.tower import checkpoint_loader
 from ref.layers import RMSNorm, Weight, linear
 
 DEFAULT_DRAFTS = 4  # drafts per round when neither the caller nor generation_config names it
@@ -215,4 +217,37 @@ def _draft_step(params, embeds, h, positions, keys, *, config):
     return Assistant(config).apply({"params": params}, embeds, h, positions, keys)
 
 
-__all__ = ["FULL", "SLIDING", "Assistant", "AssistantConfig", "centroid_logits"]
+@dataclasses.dataclass
+class AssistantModel:
+    """A drafter as loaded: its `AssistantConfig` and checkpoint tree (floats in `dtype`,
+    token_ordering int32)."""
+
+    config: AssistantConfig
+    params: dict
+
+    @classmethod
+    def from_params(cls, hf_config, params, generation_config=None, dtype=jnp.float32):
+        """From config.json's dict, the checkpoint tree and generation_config.json's dict (its
+        num_assistant_tokens)."""
+        config = AssistantConfig.from_hf(hf_config, generation_config)
+
+        def cast(x):
+            x = jnp.asarray(x)
+            return x.astype(jnp.int32) if x.dtype.kind in "iu" else x.astype(dtype)
+
+        return cls(config, jax.tree_util.tree_map(cast, params))
+
+    @classmethod
+    def from_pretrained(cls, model_dir, generation_config=None, dtype=jnp.float32):
+        """From an HF assistant folder, read by the `weights` package's loader;
+        generation_config: its generation_config.json as a dict
+        (`weights.generation_config(model_dir)`), or None."""
+        hf_config, params = checkpoint_loader()(model_dir, lazy=False)
+        return cls.from_params(hf_config, params, generation_config, dtype)
+
+    def apply(self, embeds, h, positions, keys):
+        """`Assistant` on these parameters, compiled (`draft_step`)."""
+        return draft_step(self.params, self.config, embeds, h, positions, keys)
+
+
+__all__ = ["FULL", "SLIDING", "Assistant", "AssistantConfig", "AssistantModel", "centroid_logits"]

@@ -212,12 +212,15 @@ def ring_memory(cache, positions, groups, window, rows=None):
     """
     if "ring_pos" in cache:
         ring_pos, ring_group = cache["ring_pos"], cache["ring_group"]
+        # a recorded position at or after the step's first is a rejected draft's (a
+        # speculative round's, `ref.gemma4.speculative`): not read, this step writes it anew
+        held = jnp.where(ring_pos > _last_before(positions), -1, ring_pos)
     else:
-        ring_pos = ring_positions(positions, window)
+        held = ring_pos = ring_positions(positions, window)
         ring_group = jnp.full(ring_pos.shape, -1, ring_pos.dtype)
     slots = rolling_slots(positions, window)
     seen = {
-        "kv_pos": jnp.concatenate([ring_pos, positions.astype(ring_pos.dtype)], axis=1),
+        "kv_pos": jnp.concatenate([held, positions.astype(ring_pos.dtype)], axis=1),
         "kv_group": jnp.concatenate([ring_group, groups.astype(ring_group.dtype)], axis=1),
     }
     if "ring_pos" in cache:
@@ -226,4 +229,4 @@ def ring_memory(cache, positions, groups, window, rows=None):
             ring_pos=scatter_positions(ring_pos, positions, slots),
             ring_group=scatter_positions(ring_group, groups, slots),
         )
-    return cache, seen, Partial(_ring_write, ring_pos, positions, slots, rows)
+    return cache, seen, Partial(_ring_write, held, positions, slots, rows)

@@ -15,7 +15,7 @@ import numpy as np
 from ref import moe_modes, sharding, validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
-from ref.gemma4 import decoding
+from ref.gemma4 import decoding, speculative
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.multimodal import prompt_inputs
@@ -210,6 +210,9 @@ class Gemma4:
         sampling=None,
         moe_prefill=None,
         moe_decode=None,
+        assistant=None,
+        num_speculative_tokens=None,
+        rounds=None,
     ):
         """Generation from images already embedded → [B, N] int ids: each row ends at its
         first stop id (kept) and is padded after it with `pad`; N is max_new_tokens, or fewer
@@ -225,7 +228,12 @@ class Gemma4:
         the model's, () never stops); pad: the pad id (None: the model's); sampling: None
         (greedy) or a `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n));
         moe_prefill, moe_decode: how each phase runs the experts (`ref.moe_modes`: None, dense,
-        gather, nsp:num_nsp=N,packed_chunk=C; nsp's counts must divide E and B × chunk length).
+        gather, nsp:num_nsp=N,packed_chunk=C; nsp's counts must divide E and B × chunk length);
+        assistant: None, or an MTP drafter (`ref.gemma4.speculative.AssistantModel`): greedy
+        speculative decoding (`ref.gemma4.speculative`), the same tokens in fewer target
+        steps, num_speculative_tokens drafts a round (None: the assistant's
+        generation_config, else `assistant.DEFAULT_DRAFTS`), each round's drafts proposed
+        and accepted appended to `rounds` (a list) when given.
         """
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0:
@@ -242,7 +250,8 @@ class Gemma4:
         rows = [ids[i, : lengths[i]] for i in range(b)]
         runs = [image_runs(r, *self.config.vision_token_ids) for r in rows]
         vision_embeds = self._vision_rows(runs, images)
-        ctx_len = int(lengths.max()) + max_new_tokens
+        drafts = speculative.drafts_for(assistant, num_speculative_tokens, sampling, self)
+        ctx_len = int(lengths.max()) + max_new_tokens + drafts
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
         seq = max(e - s for bounds in schedule for s, e in bounds)
         # block counts must fit the shortest key axis any layer attends over
@@ -254,38 +263,51 @@ class Gemma4:
             decode_blocking, prefill=False, batch=b, queries=1, ctx_len=min(ctx_len, ring + 1)
         )
         cache = sharding.sharded(
-            partial(init_cache, self.config, b, ctx_len, self.dtype, ring=sliding_ring), self.mesh
-        )
+            partial(init_cache, self.config, b, ctx_len, self.dtype, ring=sliding_ring,
+                    drafts=drafts), self.mesh,
+        )  # fmt: skip
         experts = self.config.num_experts
         moe = (moe_modes.for_phase(moe_prefill, "prefill", experts, b * seq),
                moe_modes.for_phase(moe_decode, "decode", experts, b))  # fmt: skip
-        cache, logits = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill, moe[0])
-        stopper = decoding.Stopper(
-            self.stop if stop is None else stop, self.pad if pad is None else pad, b
-        )
+        cache, logits, hidden = self._prefill(cache, rows, schedule, seq, vision_embeds, prefill,
+                                              moe[0])  # fmt: skip
+        stop, pad = self.stop if stop is None else stop, self.pad if pad is None else pad
+        if assistant is not None:
+            verify = attention_for(decode_blocking, prefill=False, batch=b, queries=drafts + 1,
+                                   ctx_len=min(ctx_len, ring + drafts + 1))  # fmt: skip
+
+            def run(cache, ids, positions):
+                return self._run(cache, ids, positions, attention=verify, moe=moe[1],
+                                 last_only=False)  # fmt: skip
+
+            return speculative.generate(self, assistant, run, (cache, logits, hidden), lengths,
+                                        max_new_tokens, drafts, stop, pad, rounds)  # fmt: skip
+        stopper = decoding.Stopper(stop, pad, b)
         return self._decode(
             cache, logits, lengths, max_new_tokens, decode, stopper, sampling, moe[1]
         )
 
-    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention, moe):
+    def _run(self, cache, ids, positions, vision_embeds=None, image_idx=None, *, attention, moe,
+             last_only=True):  # fmt: skip
         args = (self.params, self.lm_head, cache, jnp.asarray(ids), jnp.asarray(positions))
         args += (vision_embeds, image_idx)
         if self.step_fn is not None:
             # a step function of its own runs the experts its own way (dense when not told)
             more = {} if moe.name == "dense" else {"moe": moe}
             return self.step_fn(*args, config=self.config, attention=attention, **more)
-        kw = dict(config=self.config, attention=attention, last_only=True, moe=moe)
+        kw = dict(config=self.config, attention=attention, last_only=last_only, moe=moe)
         if self.mesh is None:
             return step(*args, **kw)
         check_step_values(self.config, *args[2:])
         return sharded_step(*args, **kw, mesh=self.mesh)
 
     def _prefill(self, cache, rows, schedule, seq, vision_embeds, attention, moe):
-        """Every row's chunks, chunk k of each row in step k → (cache, [B, V] logits of each
-        row's last prompt token)."""
+        """Every row's chunks, chunk k of each row in step k → (cache, [B, V] logits and [B, D]
+        final-norm hidden states (None where the step gives none) of each row's last prompt
+        token)."""
         b = len(rows)
         image_idx = None if vision_embeds is None else jnp.zeros((b, 1), jnp.int32)
-        last = [None] * b
+        last, hidden = [None] * b, [None] * b
         for k in range(max(len(s) for s in schedule)):
             chunk_ids, chunk_pos = chunk_arrays(rows, schedule, k, b, seq)
             out = self._run(
@@ -295,7 +317,8 @@ class Gemma4:
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
-        return cache, jnp.stack(last)
+                    hidden[i] = out["hidden"][i, 0] if "hidden" in out else None
+        return cache, jnp.stack(last), None if None in hidden else jnp.stack(hidden)
 
     def _decode(self, cache, logits, lengths, max_new_tokens, attention, stopper, sampling, moe):
         """Tokens from the prompt's last logits, one decode step each, until max_new_tokens or

@@ -106,8 +106,9 @@ def apply_step(
     the experts run, None (dense), a `ref.moe_modes.MoeMode` or its text ("gather", "nsp:…").
     → {"logits": [B, S, V] float32 (or [B, 1, V] at each row's highest position when
     last_only), "hidden": the final norm's output the logits are made from ([B, S, D] or
-    [B, 1, D]: what an MTP drafter reads), "cache", "image_idx": [B, 1] (with vision_embeds), "hidden_states"
-    (return_hidden: embeddings then every layer's output, [B, S, D] each)}.
+    [B, 1, D]: what an MTP drafter reads), "cache", "image_idx": [B, 1] (with
+    vision_embeds), "hidden_states" (return_hidden: embeddings then every layer's output,
+    [B, S, D] each)}.
     """
     slots = None if batch_index is None else batch_index[:, 0]
     # continuous batching: the slots' records are taken here; each layer writes its keys and
