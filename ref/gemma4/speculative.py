@@ -21,18 +21,24 @@ P + n + 1 and write their own keys first); a sliding layer's ring holds W + K + 
 """
 
 import dataclasses
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from ref.attention import reference
 from ref.gemma4.assistant import (
     DEFAULT_DRAFTS,
+    Assistant,
     draft_keys,
     draft_step,
     shared_layers,
     target_embedding,
 )
 from ref.gemma4.kv_cache import ring_len, ring_positions, unfolded, uses_ring
+from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import SLIDING
 
 
@@ -100,6 +106,47 @@ def draft(target, assistant, cache, token, hidden, position, count):
     return np.stack(drafts, axis=1), jnp.stack(logits, axis=1)
 
 
+def device_round(params, lm_head, drafter, cache, ids, positions, *, config, assistant,
+                 attention=reference, moe=None):  # fmt: skip
+    """One round as one device call, QAIC's way: the target's step over [t, d_1 … d_K], the
+    acceptance (greedy) and the next round's K drafts all in the call; the host reads the
+    tokens only, and no cache leaves the device (a pure function: jit it, or trace it).
+
+    params, lm_head: the target's (`apply_step`'s); drafter: the assistant's checkpoint tree;
+    cache: the target's; ids [B, K + 1]: the last token and the drafts to verify (any ids: a
+    first round after the prompt has none yet, and its acceptance is then whatever the
+    target agrees with); positions [B, K + 1]: P … P + K; config: the target's TextConfig;
+    assistant: an `AssistantConfig` → {"tokens": [B, K + 1] the round's emitted tokens (row
+    b's first accepted[b] + 1; −1 after them), "accepted": [B] int32, "drafts": [B, K] for
+    the next round, from the last emitted token at P + accepted + 1, "cache"}."""
+    drafts = ids.shape[1] - 1
+    out = apply_step(params, lm_head, cache, ids, positions, config=config, attention=attention,
+                     moe=moe)  # fmt: skip
+    chosen = jnp.argmax(out["logits"], axis=-1).astype(jnp.int32)  # [B, K + 1]
+    agree = (ids[:, 1:] == chosen[:, :-1]).astype(jnp.int32)
+    # the first disagreement's index: ArgMin, an op QAIC's exports use (no CumProd)
+    n = jnp.argmin(jnp.concatenate([agree, jnp.zeros_like(agree[:, :1])], axis=1), axis=1)
+    at = n[:, None]
+    token = jnp.take_along_axis(chosen, at, axis=1)  # [B, 1]
+    h = jnp.take_along_axis(out["hidden"], at[:, :, None], axis=1)  # [B, 1, D]
+    slot = lax.broadcasted_iota(jnp.int32, chosen.shape, 1)
+    shifted = jnp.concatenate([ids[:, 1:], token], axis=1).astype(jnp.int32)
+    tokens = jnp.where(slot < at, shifted, jnp.where(slot == at, token, -1))
+    position = positions[:, 0] + n + 1
+    keys = drafter_keys(config, out["cache"], position)
+    table = params["embed_tokens"]["weight"]
+    scale = jnp.asarray(config.hidden_size**0.5, table.dtype)
+    next_drafts = []
+    for _ in range(drafts):
+        step_out = Assistant(assistant).apply({"params": drafter}, table[token] * scale, h,
+                                              position[:, None], keys)  # fmt: skip
+        token = jnp.argmax(step_out["logits"], axis=-1).astype(jnp.int32)  # [B, 1]
+        h = step_out["projected"]
+        next_drafts.append(token)
+    return {"tokens": tokens, "accepted": n.astype(jnp.int32),
+            "drafts": jnp.concatenate(next_drafts, axis=1), "cache": out["cache"]}  # fmt: skip
+
+
 def drafts_for(assistant, count, sampling, target):
     """The drafts a round proposes: 0 without an assistant; else `count`, or the assistant's
     generation_config `num_assistant_tokens`, or `DEFAULT_DRAFTS`; ValueError for what cannot
@@ -145,54 +192,93 @@ def check_pair(target, config):
             )
 
 
+class _Rows:
+    """Each row's emitted tokens and where its next round starts: a row ends at its first
+    stop id (kept) or at `most` tokens; a round's rows that had ended take part as padding
+    (position −1: they compute and write nothing)."""
+
+    def __init__(self, logits, lengths, stop, most, pad, drafts, rounds):
+        token = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1), np.int32)
+        self.rows = [[int(t)] for t in token]
+        self.stop, self.most, self.pad, self.drafts = set(int(x) for x in stop), most, pad, drafts
+        self.rounds = rounds
+        self.token, self.position = token, np.asarray(lengths, np.int32)
+        self.done = np.array([self._ended(r) for r in self.rows])
+
+    def positions(self):
+        """[B, K + 1]: P … P + K of each live row, −1 for an ended one."""
+        out = self.position[:, None] + np.arange(self.drafts + 1, dtype=np.int32)
+        out[self.done] = -1
+        return out
+
+    def add(self, new, n, chosen):
+        """A round's emitted tokens per row (`new`), accepted counts n [B] and the token after
+        them per row (`chosen`, the next round's last token)."""
+        live = ~self.done
+        for r, tokens in enumerate(new):
+            if live[r]:
+                self.rows[r] = self._cut(self.rows[r] + [int(x) for x in tokens])
+        if self.rounds is not None:
+            self.rounds.append(Round(tuple(int(x) for x in np.where(live, self.drafts, 0)),
+                                     tuple(int(x) for x in np.where(live, n, 0))))  # fmt: skip
+        self.done = self.done | np.array([self._ended(r) for r in self.rows])
+        self.token = np.asarray(chosen, np.int32)
+        self.position = np.where(live, self.position + n.astype(np.int32) + 1, self.position)
+
+    def output(self):
+        """[B, N] int32, each row padded with the pad id to the longest."""
+        width = max(len(r) for r in self.rows)
+        return np.array([r + [self.pad] * (width - len(r)) for r in self.rows], np.int32)
+
+    def _cut(self, row):
+        for i, t in enumerate(row):
+            if t in self.stop:
+                return row[: min(i + 1, self.most)]
+        return row[: self.most]
+
+    def _ended(self, row):
+        return len(row) >= self.most or (len(row) > 0 and row[-1] in self.stop)
+
+
 def generate(target, assistant, run, first, lengths, max_new_tokens, drafts, stop, pad,
              rounds=None):  # fmt: skip
     """Greedy speculative generation after a prefill → [B, N] int32 ids, each row ended at its
     first stop id (kept) and padded after it with `pad` (N the longest row, ≤ max_new_tokens).
 
-    target: a `Gemma4`; assistant: an `assistant.AssistantModel`; run(cache, ids [B, S], positions
-    [B, S]) → the target's step dict (logits and hidden at every position, cache); first:
-    (cache, logits [B, V], hidden [B, D]) after each row's prompt; lengths: [B] prompt
+    target: a `Gemma4`; assistant: an `assistant.AssistantModel`; run(cache, ids [B, S],
+    positions [B, S]) → the target's step dict (logits and hidden at every position, cache);
+    first: (cache, logits [B, V], hidden [B, D]) after each row's prompt; lengths: [B] prompt
     lengths; drafts: K ≥ 1; stop: the stop ids; rounds: a list each round's `Round` is
     appended to, or None."""
     cache, logits, hidden = first
-    b = len(lengths)
-    token = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1), np.int32)
-    rows = [[int(t)] for t in token]
-    stop = set(int(s) for s in stop)
-    done = np.array([_ended(r, stop, max_new_tokens) for r in rows])
-    position = np.asarray(lengths, np.int32)
-    while not done.all():
-        proposed, _ = draft(target, assistant, cache, token, hidden, position, drafts)
-        ids = np.concatenate([token[:, None], proposed], axis=1)
-        positions = position[:, None] + np.arange(drafts + 1, dtype=np.int32)
-        positions[done] = -1  # a row that has stopped computes and writes nothing
-        out = run(cache, ids, positions)
+    rows = _Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
+    every = np.arange(len(lengths))
+    while not rows.done.all():
+        proposed, _ = draft(target, assistant, cache, rows.token, hidden, rows.position, drafts)
+        out = run(cache, np.concatenate([rows.token[:, None], proposed], axis=1), rows.positions())
         cache = out["cache"]
         chosen = np.asarray(jnp.argmax(out["logits"], axis=-1), np.int32)
         n = accepted(proposed, chosen)
-        live = ~done
-        for r, new in enumerate(emitted(proposed, chosen, n)):
-            if live[r]:
-                rows[r] = _cut(rows[r] + [int(x) for x in new], stop, max_new_tokens)
-        if rounds is not None:
-            rounds.append(Round(tuple(int(x) for x in np.where(live, drafts, 0)),
-                                tuple(int(x) for x in np.where(live, n, 0))))  # fmt: skip
-        done = done | np.array([_ended(r, stop, max_new_tokens) for r in rows])
-        token = chosen[np.arange(b), n]
-        hidden = out["hidden"][np.arange(b), n]
-        position = np.where(done, position, position + n.astype(np.int32) + 1)
-    width = max(len(r) for r in rows)
-    return np.array([r + [pad] * (width - len(r)) for r in rows], np.int32)
+        hidden = out["hidden"][every, n]
+        rows.add(emitted(proposed, chosen, n), n, chosen[every, n])
+    return rows.output()
 
 
-def _cut(row, stop, most):
-    """row up to its first stop id (kept) and at most `most` tokens."""
-    for i, t in enumerate(row):
-        if t in stop:
-            return row[: min(i + 1, most)]
-    return row[:most]
-
-
-def _ended(row, stop, most):
-    return len(row) >= most or (len(row) > 0 and row[-1] in stop)
+def device_generate(target, assistant, first, lengths, max_new_tokens, drafts, stop, pad,
+                    rounds=None):  # fmt: skip
+    """`generate` with each round one `device_round` call (compiled once): the same tokens;
+    the first round verifies pad-id drafts (the prompt's call made none), so its acceptance
+    is whatever the target agrees with, and every later round's drafts come out of the round
+    before. first: (cache, logits [B, V]) after each row's prompt; the rest as `generate`'s."""
+    cache, logits = first
+    rows = _Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
+    every = np.arange(len(lengths))
+    proposed = np.full((len(lengths), drafts), pad, np.int32)
+    one = jax.jit(partial(device_round, config=target.config, assistant=assistant.config))
+    while not rows.done.all():
+        ids = np.concatenate([rows.token[:, None], proposed], axis=1)
+        out = one(target.params, target.lm_head, assistant.params, cache, ids, rows.positions())
+        cache, n, tokens = out["cache"], np.asarray(out["accepted"]), np.asarray(out["tokens"])
+        rows.add([t[: k + 1] for t, k in zip(tokens, n, strict=True)], n, tokens[every, n])
+        proposed = np.asarray(out["drafts"])
+    return rows.output()

@@ -19,7 +19,7 @@ from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from tests.assistant_oracle import assistant_config, assistant_params, hf_assistant
 from tests.hf_vision import patches_for, tree_of
 from tests.text_oracle import hf_generate, hf_model, prompt, text_config
-from tests.util import examples, rel_err
+from tests.util import examples, jitted, rel_err
 
 WINDOW = 5
 TARGETS = {  # (layer types, KV-shared layers, attention_k_eq_v, MoE)
@@ -111,19 +111,20 @@ def test_the_assistant_config_is_checked():
         ours.generate(ids, max_new_tokens=2, num_speculative_tokens=2)
 
 
-# (target, drafts, the assistant's layers, centroid head, an image in the prompt)
+# (target, drafts, the assistant's layers, centroid head, an image in the prompt, sliding ring)
 CASES = [
-    ("dense", 1, [SLIDING, FULL], True, True),
-    ("dense", 3, [FULL], False, False),
-    ("moe", 7, [SLIDING, SLIDING, FULL], True, False),
-    ("moe", 3, [SLIDING, FULL], False, True),
+    ("dense", 1, [SLIDING, FULL], True, True, True),
+    ("dense", 3, [FULL], False, False, False),
+    ("moe", 7, [SLIDING, SLIDING, FULL], True, False, True),
+    ("moe", 3, [SLIDING, FULL], False, True, False),
 ]
 
 
-@pytest.mark.parametrize("kind, drafts, layers, ordered, image", CASES)
-def test_tokens_equal_the_target_alone_and_transformers(kind, drafts, layers, ordered, image):
+@pytest.mark.parametrize("kind, drafts, layers, ordered, image, ring", CASES)
+def test_tokens_equal_the_target_alone_and_transformers(kind, drafts, layers, ordered, image,
+                                                        ring):  # fmt: skip
     """Greedy speculative tokens equal transformers' target alone and its
-    `generate(assistant_model=)`, the prompt past the sliding window, the cache linear and in
+    `generate(assistant_model=)`, the prompt past the sliding window, the cache linear or in
     a ring; the drafts each round proposes are counted."""
     text, hf, ours = _target(kind)
     hf_drafter, drafter = _assistant(text, layers, ordered=ordered, drafts=drafts)
@@ -143,14 +144,13 @@ def test_tokens_equal_the_target_alone_and_transformers(kind, drafts, layers, or
             inputs["pixel_values"], inputs["image_position_ids"] = hf_padded_inputs(patches, grids)
         theirs = hf.generate(**inputs, assistant_model=hf_drafter)[0, len(ids) :].numpy()
     np.testing.assert_array_equal(theirs, want)
-    for ring in (False, True):
-        rounds = []
-        got = ours.generate(ids[None], patches, grids, max_new_tokens=12, stop=(),
-                            assistant=drafter, sliding_ring=ring, rounds=rounds)  # fmt: skip
-        np.testing.assert_array_equal(got[0], want)
-        assert all(r.proposed == (drafts,) for r in rounds)
-        emitted = 1 + sum(r.accepted[0] + 1 for r in rounds)
-        assert emitted >= 12 and len(rounds) <= 11
+    rounds = []
+    got = ours.generate(ids[None], patches, grids, max_new_tokens=12, stop=(),
+                        assistant=drafter, sliding_ring=ring, rounds=rounds)  # fmt: skip
+    np.testing.assert_array_equal(got[0], want)
+    assert all(r.proposed == (drafts,) for r in rounds)
+    emitted = 1 + sum(r.accepted[0] + 1 for r in rounds)
+    assert emitted >= 12 and len(rounds) <= 11
 
 
 def test_first_drafts_equal_transformers_candidate_generator():
@@ -240,7 +240,7 @@ def _exact_cache(model, rows, truth):
     return step(model.params, model.lm_head, cache, ids, positions, config=model.config)["cache"]
 
 
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(data=st.data(), drafts=st.sampled_from([1, 3, 7]), ring=st.booleans(),
        stop_at=st.integers(-1, 10))  # fmt: skip
 def test_any_acceptance_pattern_gives_the_targets_tokens(data, drafts, ring, stop_at):
@@ -273,3 +273,85 @@ def test_any_acceptance_pattern_gives_the_targets_tokens(data, drafts, ring, sto
         for row in range(2):
             if r.proposed[row]:
                 assert r.accepted[row] == agreed[row]
+
+
+@settings(max_examples=examples(3), deadline=None)
+@given(drafts=st.sampled_from([1, 3]), ring=st.booleans(), data=st.data())
+def test_a_device_round_equals_the_host_round(drafts, ring, data):
+    """`device_round` (the target's step, the acceptance and the next drafts in one call)
+    against the host's pieces on the same state: `accepted` and `emitted` on the step's logits,
+    `draft` from the target's hidden state at the last accepted position; drafts drawn as the
+    target's continuation changed after a drawn count; batch 2, prompts past the window."""
+    _, _, ours = _target("moe")
+    _, drafter = _assistant(_target("moe")[0], [SLIDING, FULL], ordered=True, drafts=drafts)
+    rng = np.random.default_rng(drafts)
+    rows = [prompt(rng, n, [], 96) for n in (9, 13)]
+    lengths = np.array([len(r) for r in rows])
+    truth = ours.generate(_padded(rows), max_new_tokens=drafts + 2, lengths=lengths, stop=())
+    cache = init_cache(ours.config, 2, 32, ring=ring, drafts=drafts)
+    prefill = step(ours.params, ours.lm_head, cache, _padded(rows), _positions(rows),
+                   config=ours.config, last_only=True)  # fmt: skip
+    ids = truth[:, : drafts + 1].astype(np.int32).copy()
+    for r in range(2):
+        n = data.draw(st.integers(0, drafts), label=f"agree {r}")
+        if n < drafts:
+            ids[r, n + 1] = (ids[r, n + 1] + 1) % 96
+    positions = lengths[:, None].astype(np.int32) + np.arange(drafts + 1, dtype=np.int32)
+    got = jitted(
+        speculative.device_round,
+        ours.params,
+        ours.lm_head,
+        drafter.params,
+        prefill["cache"],
+        ids,
+        positions,
+        config=ours.config,
+        assistant=drafter.config,
+    )
+    out = step(ours.params, ours.lm_head, prefill["cache"], ids, positions, config=ours.config)
+    chosen = np.asarray(np.argmax(out["logits"], axis=-1))
+    n = speculative.accepted(ids[:, 1:], chosen)
+    np.testing.assert_array_equal(got["accepted"], n)
+    for row, want in zip(np.asarray(got["tokens"]), speculative.emitted(ids[:, 1:], chosen, n),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(row[: len(want)], want)
+        assert (row[len(want) :] == -1).all()
+    every = np.arange(2)
+    host, _ = speculative.draft(ours, drafter, out["cache"], chosen[every, n],
+                                out["hidden"][every, n], lengths + n + 1, drafts)  # fmt: skip
+    np.testing.assert_array_equal(got["drafts"], host)
+
+
+def _padded(rows):
+    out = np.zeros((len(rows), max(map(len, rows))), np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _positions(rows):
+    out = np.full((len(rows), max(map(len, rows))), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = np.arange(len(r))
+    return out
+
+
+def test_device_rounds_give_the_targets_tokens():
+    """`device_generate` (each round one `device_round` call, the first verifying pad-id
+    drafts) gives plain greedy decoding's tokens, batch 2 with a stop id, in a sliding ring."""
+    _, _, ours = _target("dense")
+    _, drafter = _assistant(_target("dense")[0], [SLIDING, FULL], ordered=False, drafts=3)
+    rng = np.random.default_rng(4)
+    rows = [prompt(rng, n, [], 96) for n in (9, 13)]
+    lengths = [len(r) for r in rows]
+    free = ours.generate(_padded(rows), max_new_tokens=12, lengths=lengths, stop=())
+    stop = (int(free[0, 6]),)
+    want = ours.generate(_padded(rows), max_new_tokens=12, lengths=lengths, stop=stop)
+    cache = init_cache(ours.config, 2, 12 + 13 + 3, ring=True, drafts=3)
+    prefill = step(ours.params, ours.lm_head, cache, _padded(rows), _positions(rows),
+                   config=ours.config, last_only=True)  # fmt: skip
+    rounds = []
+    got = speculative.device_generate(ours, drafter, (prefill["cache"], prefill["logits"][:, 0]),
+                                      lengths, 12, 3, stop, 0, rounds)  # fmt: skip
+    np.testing.assert_array_equal(got, want)
+    assert rounds and all(r.proposed[0] in (0, 3) for r in rounds)
