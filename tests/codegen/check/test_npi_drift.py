@@ -118,7 +118,17 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     # placeholder ids (no tokenizer here): bos, a word, the image token (4), a word
     asks.write_text(json.dumps({"prompt_ids": [2, 10, 4, 11], "images": ["a.png"],
                                 "max_new_tokens": 2}))  # fmt: skip
-    calibrate = ["verify", str(out), "--precision", "fp16", "--write-npi", "--prompts", str(asks)]
+    calibrate = [
+        "verify",
+        str(out),
+        "--precision",
+        "fp16",
+        "--write-npi",
+        "--prompts",
+        str(asks),
+        "--graph",
+        "vision",
+    ]  # the language graphs' calibration: plans of 0 nodes
     assert main(calibrate) == 0
     report = capsys.readouterr().out
     assert "vision: 2 node(s) in float32" in report and "request 1 vision 1" in report, report
