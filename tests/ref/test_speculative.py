@@ -47,7 +47,7 @@ def _assistant(text, layer_types, *, ordered, tied=True, drafts=None, seed=5):
     return hf, AssistantModel.from_params(config, assistant_params(hf), generation)
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(
     ordered=st.booleans(),
     tied=st.booleans(),
