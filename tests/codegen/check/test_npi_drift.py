@@ -68,7 +68,9 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     out = tmp_path / "out"
     model = _overflowing_vlm(tmp_path / "ckpt")
     export(ExportOptions(out=out, model=model, budgets=(70,), verify=False), log=lambda m: None)
-    assert main(["verify", str(out), "--precision", "fp16", "--write-npi"]) == 0
+    # decode's plan: the layer-by-layer test's graph
+    plan_args = ["--write-npi", "--graph", "vision", "--graph", "prefill"]
+    assert main(["verify", str(out), "--precision", "fp16", *plan_args]) == 0
     report = capsys.readouterr().out
     assert "vision: 2 node(s) in float32 (4 in all calls)" in report, report
     assert "prefill: 0 node(s)" in report, report
