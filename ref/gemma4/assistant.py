@@ -196,20 +196,12 @@ def centroid_logits(hidden, head, centroids, ordering, top_k):
     return filled.at[rows[0], rows[1], ids].set(chosen)
 
 
-@jax.jit
-def _embedded(table, ids, scale):
-    return table[ids] * scale.astype(table.dtype)
-
-
 def target_embedding(params, ids, hidden_size):
-    """The target's scaled token embedding (`Gemma4TextScaledWordEmbedding`) of ids [B, S]
-    → [B, S, D] (params: its `model.language_model` tree)."""
-    return _embedded(params["embed_tokens"]["weight"], ids, jnp.asarray(hidden_size**0.5))
-
-
-def draft_step(params, config, embeds, h, positions, keys):
-    """`Assistant` applied with `params` (the checkpoint's tree), compiled per config."""
-    return _draft_step(params, embeds, h, positions, keys, config=config)
+    """The target's scaled token embedding (`Gemma4TextScaledWordEmbedding`, as
+    `ref.layers.Embedding` computes it) of ids [B, S] → [B, S, D] (params: its
+    `model.language_model` tree)."""
+    table = params["embed_tokens"]["weight"]
+    return table[ids] * jnp.asarray(hidden_size**0.5, table.dtype)
 
 
 @partial(jax.jit, static_argnames=("config",))
@@ -246,8 +238,8 @@ class AssistantModel:
         return cls.from_params(hf_config, params, generation_config, dtype)
 
     def apply(self, embeds, h, positions, keys):
-        """`Assistant` on these parameters, compiled (`draft_step`)."""
-        return draft_step(self.params, self.config, embeds, h, positions, keys)
+        """`Assistant` on these parameters, compiled once per config."""
+        return _draft_step(self.params, embeds, h, positions, keys, config=self.config)
 
 
 __all__ = ["FULL", "SLIDING", "Assistant", "AssistantConfig", "AssistantModel", "centroid_logits"]

@@ -29,13 +29,14 @@ def init_cache(
 ):
     """An empty KV cache of `ctx_len` slots (slot = position) for every layer that owns one.
 
-    ring: sliding-window layers keep only a ring of R = min(sliding_window + drafts, ctx_len)
-    slots (position p in slot p mod R), as a deployment would; drafts: the draft tokens a
-    speculative round verifies (`ref.gemma4.speculative`), whose rejected keys must not evict
-    a key a later step or the drafter reads (`ring_slots`). slots_only: keys and values only, as
-    QAIC's retained state holds them; which position a slot holds is derived from each step's
-    position_ids instead of recorded (see `linear_memory`), and no vision run continues from one
-    step into the next (a prefill chunk must not split an image run).
+    ring: sliding-window layers keep only a ring of R = `ring_slots(sliding_window, ctx_len,
+    drafts)` slots (W, or W + drafts + 1; position p in slot p mod R), as a deployment would;
+    drafts: the draft tokens a speculative round verifies (`ref.gemma4.speculative`), whose
+    rejected keys must not evict a key a later step or the drafter reads. slots_only: keys
+    and values only, as QAIC's retained state holds them; which position a slot holds is
+    derived from each step's position_ids instead of recorded (see `linear_memory`), and no
+    vision run continues from one step into the next (a prefill chunk must not split an image
+    run).
     → {"k": {layer: [B, Hkv, T or W, hd]}, "v": likewise (layer keys are str(i)), and unless
     slots_only "pos": [B, T] int32 (−1 = empty), "group": [B, T] int32 (vision-run id, −1 =
     text), with ring also "ring_pos", "ring_group": [B, R]}.

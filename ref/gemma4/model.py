@@ -229,7 +229,7 @@ class Gemma4:
         (greedy) or a `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n));
         moe_prefill, moe_decode: how each phase runs the experts (`ref.moe_modes`: None, dense,
         gather, nsp:num_nsp=N,packed_chunk=C; nsp's counts must divide E and B × chunk length);
-        assistant: None, or an MTP drafter (`ref.gemma4.speculative.AssistantModel`): greedy
+        assistant: None, or an MTP drafter (`ref.gemma4.assistant.AssistantModel`): greedy
         speculative decoding (`ref.gemma4.speculative`), the same tokens in fewer target
         steps, num_speculative_tokens drafts a round (None: the assistant's
         generation_config, else `assistant.DEFAULT_DRAFTS`), each round's drafts proposed

@@ -33,7 +33,6 @@ from ref.gemma4.assistant import (
     DEFAULT_DRAFTS,
     Assistant,
     draft_keys,
-    draft_step,
     shared_layers,
     target_embedding,
 )
@@ -98,7 +97,7 @@ def draft(target, assistant, cache, token, hidden, position, count):
     for _ in range(count):
         ids = jnp.asarray(token)[:, None]
         embeds = target_embedding(target.params, ids, target.config.hidden_size)
-        out = draft_step(assistant.params, assistant.config, embeds, h, at, keys)
+        out = assistant.apply(embeds, h, at, keys)
         token = np.asarray(jnp.argmax(out["logits"][:, 0], axis=-1), np.int32)
         h = out["projected"]
         drafts.append(token)
@@ -134,12 +133,11 @@ def device_round(params, lm_head, drafter, cache, ids, positions, *, config, ass
     tokens = jnp.where(slot < at, shifted, jnp.where(slot == at, token, -1))
     position = positions[:, 0] + n + 1
     keys = drafter_keys(config, out["cache"], position)
-    table = params["embed_tokens"]["weight"]
-    scale = jnp.asarray(config.hidden_size**0.5, table.dtype)
     next_drafts = []
     for _ in range(drafts):
-        step_out = Assistant(assistant).apply({"params": drafter}, table[token] * scale, h,
-                                              position[:, None], keys)  # fmt: skip
+        embeds = target_embedding(params, token, config.hidden_size)
+        step_out = Assistant(assistant).apply({"params": drafter}, embeds, h, position[:, None],
+                                              keys)  # fmt: skip
         token = jnp.argmax(step_out["logits"], axis=-1).astype(jnp.int32)  # [B, 1]
         h = step_out["projected"]
         next_drafts.append(token)
