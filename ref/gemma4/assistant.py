@@ -116,8 +116,10 @@ class _Layers(nn.Module):
         c = self.config
         for i in range(c.num_hidden_layers):
             kind = c.layer_types[i]
-            k, v, kv_pos = keys[kind]
+            k, v, kv_pos, rows = keys[kind]
             args = dict(q_pos=positions, kv_pos=kv_pos)
+            if rows is not None:  # continuous batching: row b reads cache slot rows[b]
+                args["cache_rows"] = rows
             if kind == SLIDING:  # W + 1 keys before the query: |q − k| ≤ W, looking back
                 args["sliding_window"] = c.sliding_window + 2
             x, _, _ = DecoderLayer(c, i, name=str(i))(x, None, positions, (k, v), args,
@@ -157,7 +159,8 @@ class Assistant(nn.Module):
     """Gemma4AssistantForCausalLM, one draft step (see the module).
 
     __call__(embeds [B, S, Db]: the target's scaled embedding of the last token, h [B, S, Db],
-    positions [B, S], keys {layer type: (k, v [B, Hkv, T, hd], kv_pos [B, T])} (`draft_keys`))
+    positions [B, S], keys {layer type: (k, v [F, Hkv, T, hd], kv_pos [B, T], rows: None (F =
+    B) or [B] int, the cache slot each row reads)} (`speculative.drafter_keys`))
     → {"logits": [B, S, V] float32, "hidden": [B, S, D] after the final norm, "projected":
     [B, S, Db], the next step's h}."""
 

@@ -36,7 +36,8 @@ from ref.gemma4.assistant import (
     shared_layers,
     target_embedding,
 )
-from ref.gemma4.kv_cache import ring_len, ring_positions, unfolded, uses_ring
+from ref.cache import take_rows
+from ref.gemma4.kv_cache import first_slots, ring_len, ring_positions, unfolded, uses_ring
 from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import SLIDING
 
@@ -65,23 +66,30 @@ def emitted(drafts, chosen, n):
     return [np.append(d[:k], c[k]) for d, c, k in zip(drafts, chosen, n, strict=True)]
 
 
-def drafter_keys(config, cache, position):
+def drafter_keys(config, cache, position, rows=None, key_len=None):
     """The keys a draft at `position` [B] reads, where the target's cache holds them:
-    {layer type: (k, v [B, Hkv, T, hd], kv_pos [B, T])} of each shared layer
+    {layer type: (k, v [F, Hkv, T, hd], kv_pos [B, T], rows)} of each shared layer
     (`assistant.shared_layers`), positions from the cache's records (or, for a slots-only
     cache, slot = position and a ring's `ring_positions`), those at or after `position`
-    marked empty (`assistant.draft_keys`)."""
+    marked empty (`assistant.draft_keys`). rows: None (F = B), or [B] int (continuous
+    batching: row b reads cache slot rows[b], as the attention reads it, never a gathered
+    copy); key_len: None, or a compute context length above `position` (an int or an
+    exporter's symbol): a layer read by position keeps its first key_len slots."""
     position = jnp.asarray(position, jnp.int32)[:, None]
     out = {}
     for kind, layer in shared_layers(config).items():
         kv, _ = unfolded((cache["k"][str(layer)], cache["v"][str(layer)]), config.kv_heads[layer])
-        b, t = kv[0].shape[0], kv[0].shape[2]
+        b, t = position.shape[0], kv[0].shape[2]
         if kind == SLIDING and uses_ring(config, cache):
             pos = cache.get("ring_pos")
             pos = ring_positions(position, ring_len(config, cache)) if pos is None else pos
         else:
             pos = cache.get("pos", jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
-        out[kind] = draft_keys(*kv, pos, position)
+            kv = tuple(first_slots(x, key_len, 2) for x in kv)
+            pos = first_slots(pos, key_len, 1)
+        if rows is not None and ("pos" in cache or "ring_pos" in cache):
+            pos = take_rows(pos, rows)  # records are the cache's F rows; the draft's are B
+        out[kind] = (*draft_keys(*kv, pos, position), rows)
     return out
 
 
@@ -105,8 +113,8 @@ def draft(target, assistant, cache, token, hidden, position, count):
     return np.stack(drafts, axis=1), jnp.stack(logits, axis=1)
 
 
-def device_round(params, lm_head, drafter, cache, ids, positions, *, config, assistant,
-                 attention=reference, moe=None):  # fmt: skip
+def device_round(params, lm_head, drafter, cache, ids, positions, batch_index=None, *, config,
+                 assistant, attention=reference, moe=None, key_len=None):  # fmt: skip
     """One round as one device call, QAIC's way: the target's step over [t, d_1 … d_K], the
     acceptance (greedy) and the next round's K drafts all in the call; the host reads the
     tokens only, and no cache leaves the device (a pure function: jit it, or trace it).
@@ -114,17 +122,21 @@ def device_round(params, lm_head, drafter, cache, ids, positions, *, config, ass
     params, lm_head: the target's (`apply_step`'s); drafter: the assistant's checkpoint tree;
     cache: the target's; ids [B, K + 1]: the last token and the drafts to verify (any ids: a
     first round after the prompt has none yet, and its acceptance is then whatever the
-    target agrees with); positions [B, K + 1]: P … P + K; config: the target's TextConfig;
-    assistant: an `AssistantConfig` → {"tokens": [B, K + 1] the round's emitted tokens (row
+    target agrees with); positions [B, K + 1]: P … P + K (−1: a row without a request, whose
+    results mean nothing); batch_index, key_len, moe: `apply_step`'s (continuous batching's
+    slots, a compute context length above P + K, how the experts run; the drafter reads the
+    same slots and lengths); config: the target's TextConfig; assistant: an `AssistantConfig`
+    → {"tokens": [B, K + 1] the round's emitted tokens (row
     b's first accepted[b] + 1; −1 after them), "accepted": [B] int32, "drafts": [B, K] for
     the next round, from the last emitted token at P + accepted + 1, "cache"}."""
     drafts = ids.shape[1] - 1
-    out = apply_step(params, lm_head, cache, ids, positions, config=config, attention=attention,
-                     moe=moe)  # fmt: skip
+    out = apply_step(params, lm_head, cache, ids, positions, None, None, batch_index,
+                     config=config, attention=attention, moe=moe, key_len=key_len)  # fmt: skip
     chosen = jnp.argmax(out["logits"], axis=-1).astype(jnp.int32)  # [B, K + 1]
     agree = (ids[:, 1:] == chosen[:, :-1]).astype(jnp.int32)
-    # the first disagreement's index: ArgMin, an op QAIC's exports use (no CumProd)
-    n = jnp.argmin(jnp.concatenate([agree, jnp.zeros_like(agree[:, :1])], axis=1), axis=1)
+    # the first disagreement's index: ArgMax takes the first of equal maxima (ONNX's default,
+    # an op QEfficient's exports use); no CumProd
+    n = jnp.argmax(jnp.concatenate([1 - agree, jnp.ones_like(agree[:, :1])], axis=1), axis=1)
     at = n[:, None]
     token = jnp.take_along_axis(chosen, at, axis=1)  # [B, 1]
     h = jnp.take_along_axis(out["hidden"], at[:, :, None], axis=1)  # [B, 1, D]
@@ -132,7 +144,8 @@ def device_round(params, lm_head, drafter, cache, ids, positions, *, config, ass
     shifted = jnp.concatenate([ids[:, 1:], token], axis=1).astype(jnp.int32)
     tokens = jnp.where(slot < at, shifted, jnp.where(slot == at, token, -1))
     position = positions[:, 0] + n + 1
-    keys = drafter_keys(config, out["cache"], position)
+    rows = None if batch_index is None else batch_index[:, 0]
+    keys = drafter_keys(config, out["cache"], position, rows, key_len)
     next_drafts = []
     for _ in range(drafts):
         embeds = target_embedding(params, token, config.hidden_size)

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ref.cache import put_rows
 from ref.gemma4 import speculative
 from ref.gemma4.assistant import AssistantConfig, AssistantModel, draft_keys, shared_layers
 from ref.gemma4.kv_cache import init_cache
@@ -73,7 +74,7 @@ def test_the_drafter_equals_transformers(ordered, tied, k_eq_v, layers, position
         shape = (1, config.kv_heads[layer], slots, config.head_dims[layer])
         k, v = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
         kv[kind] = (torch.from_numpy(k[:, :, :position]), torch.from_numpy(v[:, :, :position]))
-        keys[kind] = draft_keys(k, v, np.arange(slots)[None], position)
+        keys[kind] = (*draft_keys(k, v, np.arange(slots)[None], position), None)
     got = ours.apply(embeds, h, np.array([[position]]), keys)
     with torch.no_grad():
         want = hf(inputs_embeds=torch.from_numpy(np.concatenate([embeds, h], -1)),
@@ -214,7 +215,7 @@ class _Scripted:
 
     def check_keys(self, config, cache, position):
         layers = shared_layers(config)
-        for kind, (k, v, kv_pos) in speculative.drafter_keys(config, cache, position).items():
+        for kind, (k, v, kv_pos, _) in speculative.drafter_keys(config, cache, position).items():
             ref = (self.exact["k"][str(layers[kind])], self.exact["v"][str(layers[kind])])
             for r, p in enumerate(int(x) for x in position):
                 first = max(p - config.sliding_window - 1, 0) if kind == SLIDING else 0
@@ -274,20 +275,24 @@ def test_any_acceptance_pattern_gives_the_targets_tokens(data, drafts, ring, sto
                 assert r.accepted[row] == agreed[row]
 
 
-@settings(max_examples=examples(2), deadline=None)
-@given(drafts=st.sampled_from([1, 3]), ring=st.booleans(), data=st.data())
-def test_a_device_round_equals_the_host_round(drafts, ring, data):
+@settings(max_examples=examples(3), deadline=None)
+@given(drafts=st.sampled_from([1, 3]), ring=st.booleans(), slots_only=st.booleans(),
+       slotted=st.booleans(), data=st.data())  # fmt: skip
+def test_a_device_round_equals_the_host_round(drafts, ring, slots_only, slotted, data):
     """`device_round` (the target's step, the acceptance and the next drafts in one call)
     against the host's pieces on the same state: `accepted` and `emitted` on the step's logits,
     `draft` from the target's hidden state at the last accepted position; drafts drawn as the
-    target's continuation changed after a drawn count; batch 2, prompts past the window."""
+    target's continuation changed after a drawn count; batch 2, prompts past the window; the
+    cache recorded or slots only (as QAIC holds it); `slotted`: the rows in drawn slots of a
+    3-slot continuous-batching cache (`batch_index`) and a compute context length (`key_len`)
+    below ctx_len: the same results."""
     _, _, ours = _target("dense")
     _, drafter = _assistant(_target("dense")[0], [SLIDING, FULL], ordered=True, drafts=drafts)
     rng = np.random.default_rng(drafts)
     rows = [prompt(rng, n, [], 96) for n in (9, 13)]
     lengths = np.array([len(r) for r in rows])
     truth = ours.generate(_padded(rows), max_new_tokens=drafts + 2, lengths=lengths, stop=())
-    cache = init_cache(ours.config, 2, 32, ring=ring, drafts=drafts)
+    cache = init_cache(ours.config, 2, 32, ring=ring, drafts=drafts, slots_only=slots_only)
     prefill = step(ours.params, ours.lm_head, cache, _padded(rows), _positions(rows),
                    config=ours.config, last_only=True)  # fmt: skip
     ids = truth[:, : drafts + 1].astype(np.int32).copy()
@@ -296,16 +301,23 @@ def test_a_device_round_equals_the_host_round(drafts, ring, data):
         if n < drafts:
             ids[r, n + 1] = (ids[r, n + 1] + 1) % 96
     positions = lengths[:, None].astype(np.int32) + np.arange(drafts + 1, dtype=np.int32)
+    held, extra = prefill["cache"], {}
+    if slotted:
+        slots = np.array(data.draw(st.permutations([0, 1, 2]), label="slots")[:2], np.int32)
+        held = put_rows(init_cache(ours.config, 3, 32, ring=ring, drafts=drafts,
+                                   slots_only=slots_only), held, slots)  # fmt: skip
+        extra = {"batch_index": slots[:, None], "key_len": 24}
     got = jitted(
         speculative.device_round,
         ours.params,
         ours.lm_head,
         drafter.params,
-        prefill["cache"],
+        held,
         ids,
         positions,
         config=ours.config,
         assistant=drafter.config,
+        **extra,
     )
     out = step(ours.params, ours.lm_head, prefill["cache"], ids, positions, config=ours.config)
     chosen = np.asarray(np.argmax(out["logits"], axis=-1))
