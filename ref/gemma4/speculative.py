@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from ref.attention import reference
+from ref.cache import take_rows
 from ref.gemma4.assistant import (
     DEFAULT_DRAFTS,
     Assistant,
@@ -36,7 +37,6 @@ from ref.gemma4.assistant import (
     shared_layers,
     target_embedding,
 )
-from ref.cache import take_rows
 from ref.gemma4.kv_cache import first_slots, ring_len, ring_positions, unfolded, uses_ring
 from ref.gemma4.step import apply_step
 from ref.gemma4.text_config import SLIDING
