@@ -125,6 +125,14 @@ def _concrete(model, spec, symbols):
             dim.dim_value = size
     for value in m.graph.output:
         value.type.tensor_type.ClearField("shape")
+    # data propagation would read an integer initializer's bytes (the assistant's
+    # token_ordering): its shape is all inference needs, as an input's
+    ints = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+    held = [t for t in m.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type in ints]  # fmt: skip
+    for t in held:
+        m.graph.initializer.remove(t)
+        m.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
     return m
 
 

@@ -36,6 +36,22 @@ def _source_and_vision(e):
     )
     e.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     e.add_argument(
+        "--assistant",
+        type=Path,
+        metavar="DIR",
+        help="an MTP assistant checkpoint (google/gemma-4-*-it-assistant): adds the speculate "
+        "graph (verify K drafts, accept, draft the next K, in one call); its shards are "
+        "hard-linked into OUT/assistant/; every language graph's sliding ring grows to "
+        "window + K + 1 slots",
+    )
+    e.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="drafts per round with --assistant (default: the assistant's generation_config "
+        "num_assistant_tokens, else 4)",
+    )
+    e.add_argument(
         "--budgets",
         type=arguments.int_list,
         help="vision soft-token budgets, one specialization each, from "

@@ -26,14 +26,15 @@ from codegen.export import qaic
 from codegen.export.graph_files import retained_layout, write_graph
 from codegen.export.options import EXPORT_DEFAULTS, ExportError
 from codegen.export.specs import graph_specs
-from codegen.folder import external, hashcache
+from codegen.folder import external, hashcache, paired
 from codegen.folder.manifest import FORMAT, MANIFEST, Manifest, Shard
 from codegen.folder.sessions import atomic_text, publish
 from codegen.graphs import vision as vision_graph
 from codegen.lower.ops import OPSET
 from ref.blocking import VISION_TILES
+from ref.gemma4.assistant import DEFAULT_DRAFTS
 from ref.gemma4.images import DEFAULT_BUDGETS
-from weights import open_checkpoint
+from weights import generation_config, open_checkpoint
 
 # what `run` and `serve` read besides the graphs: the tokenizer, the chat template (in
 # tokenizer_config.json or its own file), the stop ids and sampling defaults
@@ -86,6 +87,19 @@ class ExportOptions:
     comp_ctx_lengths_decode: tuple = ()
     moe_prefill: str | None = None  # `ref.moe_modes` text; None: `model_graphs.phase_moe`'s
     moe_decode: str | None = None
+    assistant: Path | None = None  # an MTP assistant's checkpoint: the speculate graph
+    num_speculative_tokens: int | None = None  # K (None: the assistant's, else DEFAULT_DRAFTS)
+
+    def drafts(self):
+        """K, the speculate graph's draft tokens: 0 without an assistant; else
+        --num-speculative-tokens, or the assistant's generation_config
+        `num_assistant_tokens`, or `ref.gemma4.assistant.DEFAULT_DRAFTS`."""
+        if self.assistant is None:
+            return 0
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        given = (generation_config(self.assistant) or {}).get("num_assistant_tokens")
+        return DEFAULT_DRAFTS if given is None else int(given)
 
     def ccl_lists(self):
         """{phase: its compute context lengths}: each list given sorted, ctx_len appended when
@@ -134,6 +148,7 @@ class ExportOptions:
                 f"--full-batch-size {self.full_batch_size}: must be >= --batch-size "
                 f"{self.batch_size} (the cache slots the prefill rows write into)"
             )
+        self._check_assistant()
         if self.attention_layers is not None and self.attention_layers < 1:
             raise ExportError(f"--attention-layers {self.attention_layers}: must be >= 1")
         unknown = set(self.graphs) - {"model", "attention"}
@@ -144,6 +159,31 @@ class ExportOptions:
         except graphs.GraphError as e:
             raise ExportError(str(e)) from e
         self.ccl_lists()
+
+    def _check_assistant(self):
+        """ExportError for speculation options no export can use."""
+        k = self.num_speculative_tokens
+        if k is not None and self.assistant is None:
+            raise ExportError(f"--num-speculative-tokens {k}: give --assistant DIR too")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ExportError(f"--num-speculative-tokens {k!r}: expected an int >= 1")
+        if self.assistant is None:
+            return
+        if "decode" not in self.phases or "model" not in self.graphs:
+            raise ExportError(
+                "--assistant: the speculate graph is a decode graph; export the model's "
+                "decode phase (not --prefill-only, --graphs model)"
+            )
+        if self.weights != "external":
+            raise ExportError(
+                "--assistant with --weights inputs: not supported (the drafter's tensors are "
+                "named assistant.* in the graph, not in its shards)"
+            )
+        if self.drafts() + 1 > self.ctx_len:
+            raise ExportError(
+                f"--num-speculative-tokens {self.drafts()}: K + 1 must be <= --ctx-len "
+                f"{self.ctx_len}"
+            )
 
 
 def _prepare_out(out, force):
@@ -193,12 +233,14 @@ def _export(opts, log):
     else:
         model_dir = opts.model
     checkpoint = open_checkpoint(model_dir)
-    specs = graph_specs(checkpoint, opts)
+    assistant = None if opts.assistant is None else open_checkpoint(opts.assistant)
+    both = checkpoint if assistant is None else paired.with_assistant(checkpoint, assistant)
+    specs = graph_specs(both, opts)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     start = time.perf_counter()
     try:
-        manifest = _fill(tmp, checkpoint, specs, opts, log)
+        manifest = _fill(tmp, (checkpoint, assistant), specs, opts, log)
         os.chmod(tmp, 0o755)
         publish(tmp, out)
     except BaseException:
@@ -207,17 +249,19 @@ def _export(opts, log):
     return manifest, time.perf_counter() - start
 
 
-def _fill(folder, checkpoint, specs, opts, log):
-    """Write the export's files into `folder`: the checkpoint's shards and side files, each
-    graph of `specs`, the compiler's files and manifest.json; returns the Manifest."""
-    shards = external.place_shards(checkpoint.shards, folder, checkpoint.dir)
-    # the tokenizer, template and stop ids too: `run --prompt` needs only the folder
-    extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
-    for extra in extras:
-        if (checkpoint.dir / extra).is_file():
-            shutil.copyfile(checkpoint.dir / extra, folder / extra)
-    shards = [_shard(s, folder, source, opts, log) for s, source in
-              zip(shards, checkpoint.shards, strict=True)]  # fmt: skip
+def _fill(folder, checkpoints, specs, opts, log):
+    """Write the export's files into `folder`: the checkpoint's shards and side files (and the
+    assistant's, in `assistant/`), each graph of `specs`, the compiler's files and
+    manifest.json; returns the Manifest. checkpoints: (the target, the assistant or None)."""
+    checkpoint, assistant = checkpoints
+    shards = _place(checkpoint, folder, opts, log)
+    if assistant is not None:
+        inside = folder / paired.ASSISTANT
+        inside.mkdir()
+        shards += [dataclasses.replace(s, file=f"{paired.ASSISTANT}/{s.file}")
+                   for s in _place(assistant, inside, opts, log)]  # fmt: skip
+        # the graphs' assistant.* initializers point into the shards at assistant/…
+        checkpoint = paired.open_export(folder)
     entries = []
     for i, spec in enumerate(specs):
         log(f"[{i + 1}/{len(specs)}] {spec.name}")
@@ -227,7 +271,8 @@ def _fill(folder, checkpoint, specs, opts, log):
     os.chmod(folder / qaic.COMPILE_SCRIPT, 0o755)
     manifest = Manifest(
         format=FORMAT,
-        source=str(checkpoint.dir),
+        source=str(checkpoints[0].dir),
+        assistant=None if assistant is None else str(assistant.dir),
         opset=OPSET,
         options=_options_json(opts),
         shards=tuple(shards),
@@ -237,6 +282,19 @@ def _fill(folder, checkpoint, specs, opts, log):
     )
     atomic_text(folder / MANIFEST, manifest.to_json())
     return manifest
+
+
+def _place(checkpoint, folder, opts, log):
+    """Hard-link the checkpoint's shards into `folder` and copy its side files (config.json,
+    the shard index; the tokenizer, template and stop ids: `run --prompt` needs only the
+    folder) → its `Shard`s."""
+    placed = external.place_shards(checkpoint.shards, folder, checkpoint.dir)
+    extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
+    for extra in extras:
+        if (checkpoint.dir / extra).is_file():
+            shutil.copyfile(checkpoint.dir / extra, folder / extra)
+    return [_shard(s, folder, source, opts, log) for s, source in
+            zip(placed, checkpoint.shards, strict=True)]  # fmt: skip
 
 
 def _shard(placed, folder, source, opts, log):
@@ -253,6 +311,7 @@ def _options_json(opts):
     d = dataclasses.asdict(opts)
     d["out"] = None
     d["model"] = None if opts.model is None else str(opts.model)
+    d["assistant"] = None if opts.assistant is None else str(opts.assistant)
     d["budgets"] = list(opts.budgets)
     d["vision_tiles"] = list(opts.vision_tiles)
     d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]

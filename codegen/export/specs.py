@@ -3,10 +3,23 @@ each built through `codegen.graphs.kinds` (as `verify` rebuilds it from the mani
 
 from codegen import graphs
 from codegen.export.options import ExportError
+from codegen.folder import paired
 from codegen.graphs import attention as attention_graph
 from codegen.graphs import decoder, kinds
 from codegen.graphs import model as model_graphs
 from codegen.graphs import vision as vision_graph
+
+
+def _speculate(decode, shared, opts, cfg):
+    """The speculate graph's options: decode's (its blocking, cache layout and compute context
+    lengths; its MoE mode at the round's rows × (K + 1) tokens), the drafts and the
+    assistant's config."""
+    asked = {k: v for k, v in decode.items() if k != "budgets"}
+    rows = opts.full_batch_size or opts.batch_size
+    asked["moe"] = model_graphs.phase_moe(opts.moe_decode, "decode", cfg, num_cores=opts.num_cores,
+                                          tokens=rows * (decode["drafts"] + 1))  # fmt: skip
+    return {**asked, "batch_size": shared["batch_size"], "ctx_len": shared["ctx_len"],
+            "assistant": paired.assistant_options(opts.assistant)}  # fmt: skip
 
 
 def graph_specs(checkpoint, opts):
@@ -37,6 +50,7 @@ def graph_specs(checkpoint, opts):
             ctx_len=opts.ctx_len,
         )  # fmt: skip
         cfg = graphs.text_config(checkpoint.config)
+        drafts = opts.drafts()
         for phase, (mode, options), moe in (
             ("prefill", opts.prefill_blocking, opts.moe_prefill),
             ("decode", opts.decode_blocking, opts.moe_decode),
@@ -57,8 +71,11 @@ def graph_specs(checkpoint, opts):
                 "moe": model_graphs.phase_moe(
                     moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens
                 ),
+                "drafts": drafts,
             }
             specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
+            if phase == "decode" and drafts:
+                specs.append(build("speculate", "speculate", _speculate(asked, shared, opts, cfg)))
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
         checkpoint.config, shapes
     )

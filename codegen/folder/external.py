@@ -13,12 +13,17 @@ import shutil
 
 from onnx import TensorProto, helper
 
-# safetensors dtype code → ONNX element type (what a checkpoint's floats can be).
+# safetensors dtype code → ONNX element type (what a checkpoint's weights can be). Graphs
+# take every weight as float32 (a Cast after the initializer); an integer table (the MTP
+# assistant's token_ordering, ids < 2^24) passes through float32 exactly, and the graph
+# casts it back to int32 where `ref` does.
 ONNX_DTYPES = {
     "F64": TensorProto.DOUBLE,
     "F32": TensorProto.FLOAT,
     "F16": TensorProto.FLOAT16,
     "BF16": TensorProto.BFLOAT16,
+    "I64": TensorProto.INT64,
+    "I32": TensorProto.INT32,
 }
 EXTDATA_KEY = "com.qti.aisw.extdata"
 

@@ -15,7 +15,7 @@ import os
 import onnx
 from google.protobuf.message import DecodeError
 
-from codegen.folder import hashcache
+from codegen.folder import hashcache, paired
 from weights import CheckpointError, read_header
 
 
@@ -49,7 +49,8 @@ def _check_graph(folder, entry, headers):
     except (OSError, ValueError, DecodeError) as e:
         raise FolderError(f"{path}: not a readable ONNX model ({e})") from e
     for name, ext in _external_entries(model):
-        held = headers.get(ext.get("location"), {}).get(name)
+        location = ext.get("location", "")
+        held = headers.get(location, {}).get(paired.stored_name(location, name))
         where = (int(ext.get("offset", 0)), int(ext.get("length", -1)))
         if held is None or where != (held.offset, held.nbytes):
             found = "no such tensor" if held is None else f"bytes {held.offset}+{held.nbytes}"

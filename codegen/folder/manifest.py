@@ -16,12 +16,13 @@ FORMAT = "gemma4-qaic-export/1"
 
 # graph options older exports did not record, with the meaning they had then: the vision graph
 # attended with the dense mask (one tile each way); no continuous batching, no folded cache,
-# no compute context lengths; every expert on every token
+# no compute context lengths; every expert on every token; no speculate graph (no drafts)
 _LANGUAGE = {
     "full_batch_size": None,
     "folded_cache": False,
     "comp_ctx_lengths": [],
     "moe": "dense",
+    "drafts": 0,
 }
 _OPTION_UPGRADES = {"vision": {"tiles": (1, 1)}, "prefill": _LANGUAGE, "decode": _LANGUAGE}
 
@@ -87,8 +88,9 @@ class Graph:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """manifest.json: the export's options, shards and graphs. retained_layout: {input: shape}
-    of the KV cache the language graphs share (`export.retained_layout`), or None."""
+    """manifest.json: the export's options, shards (the assistant's under `assistant/`) and
+    graphs. retained_layout: {input: shape} of the KV cache the language graphs share
+    (`export.retained_layout`), or None."""
 
     format: str
     source: str
@@ -98,6 +100,7 @@ class Manifest:
     bytes_copied: int
     graphs: tuple
     retained_layout: dict | None = None
+    assistant: str | None = None  # the MTP assistant's source folder (`export --assistant`)
 
     def to_json(self):
         """The text of manifest.json (what `export` writes; `load` reads it back equal)."""

@@ -4,6 +4,7 @@ function name of each decoder layer, and the KV-cache tensors of the layers that
 """
 
 from codegen.graphs import GraphError, Tensor, folded_rows
+from ref.gemma4.kv_cache import ring_slots
 from ref.gemma4.params import TEXT, text_param_shapes
 from ref.gemma4.text_config import SLIDING
 from weights import check_shapes
@@ -43,11 +44,12 @@ def cache_owners(cfg):
     return [i for i in range(cfg.num_hidden_layers) if not cfg.shares_kv(i)]
 
 
-def cache_tensors(cfg, ring, ctx_len, rows="batch_size", folded=False):
+def cache_tensors(cfg, ring, ctx_len, rows="batch_size", folded=False, drafts=0):
     """`past_key.{i}`, `past_value.{i}` of every cache owner i: [rows, Hkv, slots, D], slots
-    the sliding window's (capped at ctx_len) for a sliding layer in a ring, else `ctx_len`;
-    folded: [1, rows·Hkv, slots, D] (the batch-fold layout)."""
-    window = min(cfg.sliding_window, ctx_len)
+    the ring's (`ring_slots`: the sliding window, W + drafts + 1 when an export speculates,
+    capped at ctx_len) for a sliding layer in a ring, else `ctx_len`; folded: [1, rows·Hkv,
+    slots, D] (the batch-fold layout)."""
+    window = ring_slots(cfg.sliding_window, ctx_len, drafts)
     out = []
     for i in cache_owners(cfg):
         slots = window if ring and cfg.layer_types[i] == SLIDING else "ctx_len"

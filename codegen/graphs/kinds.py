@@ -8,6 +8,7 @@ older export did not record get their old meaning when its manifest is read
 
 from codegen.graphs import attention as attention_graph
 from codegen.graphs import model as model_graphs
+from codegen.graphs import speculate as speculate_graph
 from codegen.graphs import vision as vision_graph
 
 
@@ -28,8 +29,17 @@ def _language(config, shapes, name, o, use_functions):
     return model_graphs.model_graph(
         config, shapes, phase=name, budgets=o["budgets"], sliding_ring=o["sliding_ring"],
         full_batch_size=o["full_batch_size"], folded_cache=o["folded_cache"],
-        comp_ctx_lengths=tuple(o["comp_ctx_lengths"]), moe=o["moe"],
+        comp_ctx_lengths=tuple(o["comp_ctx_lengths"]), moe=o["moe"], drafts=o["drafts"],
         **_shared(o, use_functions),
+    )  # fmt: skip
+
+
+def _speculate(config, shapes, name, o, use_functions):
+    keys = ("mode", "blocking", "batch_size", "ctx_len", "sliding_ring", "full_batch_size",
+            "folded_cache", "moe", "drafts", "assistant")  # fmt: skip
+    return speculate_graph.speculate_graph(
+        config, shapes, options=o["blocking"], comp_ctx_lengths=tuple(o["comp_ctx_lengths"]),
+        use_functions=use_functions, **{k: o[k] for k in keys if k != "blocking"},
     )  # fmt: skip
 
 
@@ -44,6 +54,7 @@ BUILDERS = {
     "vision": _vision,
     "prefill": _language,
     "decode": _language,
+    "speculate": _speculate,
     "attention": _attention,
 }
 

@@ -40,6 +40,7 @@ from codegen.graphs.decoder import (
 from ref import moe_modes
 from ref.attention import blocked, reference
 from ref.gemma4 import text as T
+from ref.gemma4.kv_cache import ring_slots
 from ref.gemma4.params import nested
 from ref.gemma4.step import apply_step
 
@@ -86,7 +87,7 @@ def folds_cache(mode, options, *, batch, ctx_len):
     return config is not None and config.batch_fold
 
 
-def _sample(cfg, vision, cache_in, symbols, rng):
+def model_sample(cfg, vision, cache_in, symbols, rng):
     """Random inputs: per row positions from a random start with a padded tail (below the
     compute context length with one), text ids with a run of image tokens (prefill), random
     soft tokens, image_idx and caches (`Drawn`)."""
@@ -136,6 +137,7 @@ def model_graph(
     folded_cache=False,
     comp_ctx_lengths=(),
     moe="dense",
+    drafts=0,
     use_functions=True,
 ):
     """The `prefill` (phase "prefill": seq_len tokens, vision merge, one specialization per
@@ -166,45 +168,42 @@ def model_graph(
         experts = moe_modes.for_phase(moe, phase, cfg.num_experts, batch_size * seq_len)
     except ValueError as e:
         raise GraphError(f"{phase} graph: {e}") from e
-    config, multiple, ccls = _planned_blocking(
-        cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths
-    )
+    config, multiple, ccls = planned_blocking(
+        cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths,
+        drafts,
+    )  # fmt: skip
     folded = folded_cache or (config is not None and config.batch_fold)
     prefix, names = model_weights(cfg, tensor_shapes)
     kinds = decoder_kinds(cfg)
     rows = "batch_size" if full_batch_size is None else "full_batch_size"
-    cache_in = cache_tensors(cfg, sliding_ring, ctx_len, rows, folded)
+    cache_in = cache_tensors(cfg, sliding_ring, ctx_len, rows, folded, drafts)
     ids, outputs = _io_tensors(cfg, vision, full_batch_size is not None, bool(ccls), cache_in)
     forward = _forward(cfg, vision, ids, cache_in, names, prefix, kinds, experts)
     if use_functions:
         for kind in set(kinds):
             layer_function(kind)
-    base = _static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded)
+    base = static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded)
     kernel = reference if config is None else partial(blocked, config=config)
     return GraphSpec(
         name=phase,
         kind=phase,
         options={
-            "mode": mode or "none",
-            "blocking": dict(options or {}),
-            "resolved_blocking": None if config is None else _config_json(config),
-            "batch_size": batch_size,
-            "seq_len": seq_len,
-            "ctx_len": ctx_len,
+            **sized_options(mode, options, config, batch_size, seq_len, ctx_len),
             "budgets": list(budgets),
             "sliding_ring": sliding_ring,
             "full_batch_size": full_batch_size,
             "folded_cache": folded,
             "comp_ctx_lengths": list(ccls),
             "moe": str(experts),
+            "drafts": drafts,
             "layer_functions": sorted(set(kinds)),
         },
         inputs=ids + cache_in,
         outputs=outputs,
         weights=names,
         fn=forward(kernel, use_functions),
-        reference=_reference(forward, ids + cache_in, outputs, names),
-        sample=partial(_sample, cfg, vision, cache_in),
+        reference=traced_reference(forward, ids + cache_in, outputs, names),
+        sample=partial(model_sample, cfg, vision, cache_in),
         specializations=specializations(phase, base, budgets, ccls),
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
         static=tuple(base),
@@ -240,13 +239,14 @@ def _checked_sizes(checkpoint_config, phase, batch_size, seq_len, ctx_len, full_
     return cfg, batch_size, seq_len
 
 
-def _planned_blocking(
-    cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths
-):
+def planned_blocking(
+    cfg, phase, mode, options, batch_size, seq_len, ctx_len, sliding_ring, comp_ctx_lengths,
+    drafts=0,
+):  # fmt: skip
     """(the phase's BlockingConfig or None, the multiple its KV lengths must be, the checked
     compute context lengths), after planning the blocking at every KV length the graph
-    attends over (each head count × ctx_len, each K, the ring's window + seq_len)."""
-    window = min(cfg.sliding_window, ctx_len)
+    attends over (each head count × ctx_len, each K, the ring's slots + seq_len)."""
+    window = ring_slots(cfg.sliding_window, ctx_len, drafts)
     config = phase_blocking(
         mode,
         dict(options or {}),
@@ -344,7 +344,7 @@ def _forward(cfg, vision, ids, cache_in, names, prefix, kinds, experts):
     return forward
 
 
-def _reference(forward, inputs, outputs, names):
+def traced_reference(forward, inputs, outputs, names):
     """The GraphSpec's reference: `forward` unrouted on a sample feed of `inputs`."""
 
     def run_reference(feed, weights, attention=reference):
@@ -361,7 +361,7 @@ def _reference(forward, inputs, outputs, names):
     return run_reference
 
 
-def _static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded):
+def static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded):
     """The symbols bound at trace time: batch_size, seq_len, ctx_len, full_batch_size
     (continuous batching) and each folded cache's rows·Hkv (folded)."""
     base = {"batch_size": batch_size, "seq_len": seq_len, "ctx_len": ctx_len}
@@ -372,6 +372,19 @@ def _static_symbols(cfg, batch_size, seq_len, ctx_len, full_batch_size, folded):
     return base
 
 
-def _config_json(blocking):
+def sized_options(mode, options, config, batch_size, seq_len, ctx_len):
+    """The options a language graph records first: its blocking as asked and as resolved
+    (`config`, None = dense), and its sizes."""
+    return {
+        "mode": mode or "none",
+        "blocking": dict(options or {}),
+        "resolved_blocking": None if config is None else config_json(config),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "ctx_len": ctx_len,
+    }
+
+
+def config_json(blocking):
     """A BlockingConfig's set fields, as the graph's options record them."""
     return {k: v for k, v in vars(blocking).items() if v not in (None, False)}

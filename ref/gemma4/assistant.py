@@ -193,10 +193,12 @@ def centroid_logits(hidden, head, centroids, ordering, top_k):
     v, c = head.shape[0], centroids.shape[0]
     _, top = lax.top_k(linear(hidden, centroids), top_k)  # [B, S, k]
     ids = ordering.astype(jnp.int32).reshape(c, v // c)[top].reshape(b, s, -1)
-    chosen = jnp.einsum("bsd,bsnd->bsn", hidden, head.astype(hidden.dtype)[ids])
+    rows_of = head.astype(hidden.dtype)[ids]  # [B, S, k·V/C, D]
+    chosen = jnp.matmul(rows_of, hidden[..., None])[..., 0]  # a matmul: no Einsum on QAIC
     filled = jnp.full((b, s, v), jnp.min(chosen) - 1.0, chosen.dtype)
     rows = jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None]
-    return filled.at[rows[0], rows[1], ids].set(chosen)
+    # ids are in [0, V) (a permutation's rows): no bounds mask, so no NonZero in an export
+    return filled.at[rows[0], rows[1], ids].set(chosen, mode="promise_in_bounds")
 
 
 def target_embedding(params, ids, hidden_size):
@@ -205,6 +207,22 @@ def target_embedding(params, ids, hidden_size):
     `model.language_model` tree)."""
     table = params["embed_tokens"]["weight"]
     return table[ids] * jnp.asarray(hidden_size**0.5, table.dtype)
+
+
+def param_shapes(config):
+    """{checkpoint name: shape} of a drafter's parameters (an `AssistantConfig`)."""
+    t = config.text
+    b = 1
+    keys = {}
+    for kind in sorted(set(t.layer_types)):
+        i = t.layer_types.index(kind)
+        k = jnp.zeros((b, t.kv_heads[i], 2, t.head_dims[i]))
+        keys[kind] = (k, k, jnp.zeros((b, 2), jnp.int32), None)
+    x = jnp.zeros((b, 1, config.backbone_hidden_size))
+    at = jnp.zeros((b, 1), jnp.int32)
+    tree = jax.eval_shape(lambda: Assistant(config).init(jax.random.PRNGKey(0), x, x, at, keys))
+    flat = jax.tree_util.tree_flatten_with_path(tree["params"])[0]
+    return {".".join(p.key for p in path): tuple(leaf.shape) for path, leaf in flat}
 
 
 @partial(jax.jit, static_argnames=("config",))
