@@ -183,3 +183,11 @@ def _generation_arguments(parser):
     parser.add_argument(
         "--seed", type=int, default=0, help="sampling seed (0); the same seed, the same tokens"
     )
+    parser.add_argument(
+        "--no-speculate",
+        dest="speculate",
+        action="store_false",
+        help="an export with an assistant speculates by default (greedy: a round of K drafts "
+        "per speculate call, its acceptance printed per request); this decodes a token per "
+        "decode call instead, to compare",
+    )

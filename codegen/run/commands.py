@@ -148,8 +148,9 @@ def main(args):
     if args.skip_shard_check:
         print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
     runner = Runner(
-        args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from
-    )
+        args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from,
+        speculate=args.speculate,
+    )  # fmt: skip
     rows, images, tokenizer = _inputs(args, runner)
     quiet = getattr(args, "quiet", False)
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -271,7 +272,7 @@ GENERATION_KEYS = ("sample", "temperature", "top_k", "top_p", "seed")
 def serve_main(args):
     """`python -m codegen serve`: continuous batching of a JSONL file of requests; prints the
     step timeline to stderr and each request's ids to stdout."""
-    runner = Runner(args.out, check_shards=not args.skip_shard_check)
+    runner = Runner(args.out, check_shards=not args.skip_shard_check, speculate=args.speculate)
     requests = read_requests(args.requests, runner, _generation_options(args))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     tokens, _ = runner.serve(requests, log=log, stop=stop_of(args.eos_id, args.ignore_eos))

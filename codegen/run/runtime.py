@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 from codegen.folder.sessions import open_session, read_manifest
+from codegen.run import speculation
 from codegen.run.errors import RunError
 from codegen.run.slots import Request, serve, slot_column
 from codegen.run.vision import Vision
@@ -55,11 +56,14 @@ class Runner:
     images through `codegen.run.vision`), `decode` (one token per row), each call fed its
     compute context length (`_run`)."""
 
-    def __init__(self, folder, *, check_shards=True, decode_folder=None, on_call=None):
+    def __init__(self, folder, *, check_shards=True, decode_folder=None, on_call=None,
+                 speculate=True):  # fmt: skip
         """folder: an export with prefill and decode graphs, or a `--prefill-only` export
         whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
         export with the same retained-state layout); on_call(kind, feed): told of every
-        graph call before it runs (`verify --write-npi --prompts` records the feeds)."""
+        graph call before it runs (`verify --write-npi --prompts` records the feeds);
+        speculate: with an export's speculate graph, greedy generation runs a round per call
+        (`codegen.run.speculation`; False: the decode graph, a token per call)."""
         self.on_call = on_call or (lambda kind, feed: None)
         self.folder = os.path.abspath(folder)
         manifest = read_manifest(self.folder, check_shards=check_shards)
@@ -90,15 +94,18 @@ class Runner:
         self.entries = graphs
         self.sessions = {
             kind: open_session(graphs[kind], *homes[kind])
-            for kind in ("vision", "prefill", "decode")
-            if kind in graphs
+            for kind in ("vision", "prefill", "decode", "speculate")
+            if kind in graphs and (kind != "speculate" or speculate)
         }
+        # an export with an MTP assistant: K drafts a round (0: decode one token a call)
+        self.drafts = graphs["speculate"].options["drafts"] if "speculate" in self.sessions else 0
         o = graphs["prefill"].options
         self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
         self.budgets = sorted(o["budgets"])
         self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
         # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
-        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in ("prefill", "decode")}
+        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in self.sessions
+                     if k != "vision"}  # fmt: skip
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
         # the checkpoint's generation_config.json (copied into the export), else config.json
         self.generation_config = generation_config(self.folder)
@@ -140,6 +147,11 @@ class Runner:
             return np.stack(
                 [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
             )
+        if self.drafts and sampling is None:
+            return speculation.generate(self, rows, images, max_new_tokens=max_new_tokens,
+                                        log=log, stop=stop, emit=emit)  # fmt: skip
+        if self.drafts:
+            log("sampling: the decode graph, a token per call (speculation is greedy here)")
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
         caches = self.empty_caches("prefill")
         caches, logits = self.prefill(rows, list(images), caches, None, log)
@@ -238,6 +250,20 @@ class Runner:
             feed["batch_index"] = slot_column(slots, rows)
         out = self._run("decode", feed)
         return self._retained(out, caches), out["logits"][:n, 0]
+
+    def speculate(self, caches, token, position, drafts, slots):
+        """One round of the speculate graph: token [n] with drafts [n, K] at position [n] (P;
+        −1: a free row), in rows 0..n−1 of the cache, or with `slots` in those slots →
+        (caches, {"tokens" [n, K + 1], "accepted" [n], "drafts" [n, K]})."""
+        rows = self.batch if self.slots is None else self.slots
+        ids, pos = speculation.round_feed(token, position, drafts, rows, self.ctx_len)
+        feed = {"input_ids": ids, "position_ids": pos, **caches}
+        if slots is not None:
+            feed["batch_index"] = slot_column(slots, rows)
+        out = self._run("speculate", feed)
+        n = len(token)
+        return self._retained(out, caches), {k: out[k][:n] for k in ("tokens", "accepted",
+                                                                     "drafts")}  # fmt: skip
 
     def check(self, rows, max_new_tokens, what="row"):
         """Refuse (RunError) rows (token-id arrays [L]) the graphs cannot take: more than

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from codegen.run.errors import RunError
+from codegen.run.speculation import Slots
 from ref.gemma4 import decoding
 
 
@@ -47,6 +48,9 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
     for i, r in enumerate(requests):
         runner.check([r.ids], r.max_new_tokens, what=f"request {i}")
     caches = runner.empty_caches("decode")
+    # speculation (an export with an assistant) when every request is greedy
+    greedy = all(r.sampling is None for r in requests)
+    spec = Slots(runner.slots, runner.drafts, runner.pad) if runner.drafts and greedy else None
     waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
     position, last = {}, np.zeros(runner.slots, np.int32)
     t = 0
@@ -65,11 +69,16 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
                 waiting.remove(r)
                 token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
                 slot_of[r], last[s], tokens[r] = s, token, [token]
+                if spec is not None:
+                    spec.join(s)
                 position[r] = len(requests[r].ids)
                 emit(r, token)
                 events.append(f"request {r} joins slot {s}")
         decoding_now = [r for r in slot_of if not _finished(requests[r], tokens[r], stop)]
-        if decoding_now:
+        if decoding_now and spec is not None:
+            caches = _round(runner, spec, caches, requests, decoding_now, slot_of, position,
+                            last, tokens, stop, emit, events)  # fmt: skip
+        elif decoding_now:
             pos = np.full(runner.slots, -1, np.int32)
             for r in decoding_now:
                 pos[slot_of[r]] = position[r]
@@ -85,11 +94,37 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
             events.append(f"decode slots {slots_now}{runner.ccl_note('decode')}")
         for r in [r for r in slot_of if _finished(requests[r], tokens[r], stop)]:
             why = f"stop id {tokens[r][-1]}" if tokens[r][-1] in stop else "max_new_tokens"
-            events.append(f"request {r} leaves slot {slot_of.pop(r)} at {why}")
+            s = slot_of.pop(r)
+            note = "" if spec is None else f" ({spec.report(s, len(tokens[r]))})"
+            events.append(f"request {r} leaves slot {s} at {why}{note}")
         timeline.append(f"step {t}: " + "; ".join(events or ["idle"]))
         log(timeline[-1])
         t += 1
     return [np.array(tokens[r]) for r in range(len(requests))], timeline
+
+
+def _round(runner, spec, caches, requests, live, slot_of, position, last, tokens, stop, emit,
+           events):  # fmt: skip
+    """One speculate call over every slot, the `live` requests' rounds in it: each request's
+    emitted tokens appended up to its first stop id or its max_new_tokens (the rest of a round
+    after them dropped), its last token and position moved on → caches."""
+    pos = np.full(runner.slots, -1, np.int32)
+    for r in live:
+        pos[slot_of[r]] = position[r]
+    caches, emitted = spec.round(runner, caches, last, pos)
+    for r in live:
+        s = slot_of[r]
+        for token in emitted[s]:
+            if _finished(requests[r], tokens[r], stop):
+                break
+            tokens[r].append(token)
+            emit(r, token)
+        last[s] = emitted[s][-1]
+        position[r] += len(emitted[s])
+    counts = {slot_of[r]: len(emitted[slot_of[r]]) for r in live}
+    events.append(f"speculate slots {dict(sorted(counts.items()))} (tokens each)"
+                  f"{runner.ccl_note('speculate')}")  # fmt: skip
+    return caches
 
 
 def _finished(request, tokens, stop):

@@ -203,7 +203,7 @@ def check_pair(target, config):
             )
 
 
-class _Rows:
+class Rows:
     """Each row's emitted tokens and where its next round starts: a row ends at its first
     stop id (kept) or at `most` tokens; a round's rows that had ended take part as padding
     (position −1: they compute and write nothing)."""
@@ -216,11 +216,20 @@ class _Rows:
         self.token, self.position = token, np.asarray(lengths, np.int32)
         self.done = np.array([self._ended(r) for r in self.rows])
 
-    def positions(self):
-        """[B, K + 1]: P … P + K of each live row, −1 for an ended one."""
+    def positions(self, ctx_len=None):
+        """[B, K + 1]: P … P + K of each live row, −1 for an ended one; ctx_len: −1 from it on
+        too (a cache has no slot there: a round near the end verifies fewer drafts, whose
+        tokens would be past max_new_tokens anyway)."""
         out = self.position[:, None] + np.arange(self.drafts + 1, dtype=np.int32)
         out[self.done] = -1
+        if ctx_len is not None:
+            out[out >= ctx_len] = -1
         return out
+
+    def emitted_since(self, lengths):
+        """{row: its tokens after the first `lengths[row]`} of the rows that grew."""
+        return {r: row[n:] for r, (row, n) in enumerate(zip(self.rows, lengths, strict=True))
+                if len(row) > n}  # fmt: skip
 
     def add(self, new, n, chosen):
         """A round's emitted tokens per row (`new`), accepted counts n [B] and the token after
@@ -251,6 +260,20 @@ class _Rows:
         return len(row) >= self.most or (len(row) > 0 and row[-1] in self.stop)
 
 
+def report(rounds, row, emitted):
+    """One row's speculation in a line: its rounds, accepted drafts per round (of K), tokens per
+    round and target calls per token (the prompt's last call made the first token; plain
+    decoding makes 1.00). rounds: the `Round`s of its generation; emitted: its token count."""
+    mine = [(r.proposed[row], r.accepted[row]) for r in rounds if r.proposed[row]]
+    if not mine:
+        return f"0 rounds, {emitted} token(s) from the prompt's call"
+    k = mine[0][0]
+    accepted = sum(a for _, a in mine) / len(mine)
+    return (f"{len(mine)} rounds, {accepted:.2f} of {k} drafts accepted per round, "
+            f"{(emitted - 1) / len(mine):.2f} tokens per round, "
+            f"{(len(mine) + 1) / emitted:.2f} target calls per token")  # fmt: skip
+
+
 def generate(target, assistant, run, first, lengths, max_new_tokens, drafts, stop, pad,
              rounds=None):  # fmt: skip
     """Greedy speculative generation after a prefill → [B, N] int32 ids, each row ended at its
@@ -262,7 +285,7 @@ def generate(target, assistant, run, first, lengths, max_new_tokens, drafts, sto
     lengths; drafts: K ≥ 1; stop: the stop ids; rounds: a list each round's `Round` is
     appended to, or None."""
     cache, logits, hidden = first
-    rows = _Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
+    rows = Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
     every = np.arange(len(lengths))
     while not rows.done.all():
         proposed, _ = draft(target, assistant, cache, rows.token, hidden, rows.position, drafts)
@@ -282,7 +305,7 @@ def device_generate(target, assistant, first, lengths, max_new_tokens, drafts, s
     is whatever the target agrees with, and every later round's drafts come out of the round
     before. first: (cache, logits [B, V]) after each row's prompt; the rest as `generate`'s."""
     cache, logits = first
-    rows = _Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
+    rows = Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
     every = np.arange(len(lengths))
     proposed = np.full((len(lengths), drafts), pad, np.int32)
     one = jax.jit(partial(device_round, config=target.config, assistant=assistant.config))
