@@ -62,3 +62,29 @@ def assistant_params(model):
     names = sorted(state)
     leaves = [state[n].numpy().astype(np.int32 if "ordering" in n else np.float32) for n in names]
     return nested(names, leaves)
+
+
+def repeating_assistant(target, table, layer_types, seed=3):
+    """A Gemma4AssistantForCausalLM for `target` (text config dict) that drafts the last token
+    again: hidden = backbone, pre_projection passes the target's scaled embedding through,
+    every layer adds nothing (o_proj and down_proj zero), the final norm scales by one and the
+    tied head is the target's embedding `table` [V, D] (a torch tensor); so each draft is
+    argmax_id table[id] · table[t] (t itself unless a longer row points its way). Greedy
+    random targets repeat tokens in runs, so its drafts are accepted now and then: rounds
+    with every acceptance count happen."""
+    config = assistant_config(target, layer_types, ordered=False)
+    config["text_config"]["hidden_size"] = target["hidden_size"]
+    model = hf_assistant(config, seed)
+    d = target["hidden_size"]
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name == "pre_projection.weight":
+                t.zero_()
+                t[:, :d] = torch.eye(d)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+            elif name in ("model.norm.weight",) or name.endswith("layer_scalar"):
+                t.fill_(1.0)
+            elif name == "model.embed_tokens.weight":
+                t.copy_(table)
+    return model

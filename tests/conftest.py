@@ -71,6 +71,7 @@ SLOWEST_FIRST = [
     "test_moe.py",
     "test_mesh.py",
     "test_speculative.py",
+    "test_speculate.py",
     "test_cache.py",
     "test_codegen_checks.py",
     "test_vision_export_tiles.py",

@@ -93,9 +93,10 @@ def test_batch_folded_decode_serves_transformers_tokens(folded_served, lengths, 
     assert rows and all(r[-1] for r in rows), rows
 
 
-def check_serve(hf, runner, lengths, data, seed):
+def check_serve(hf, runner, lengths, data, seed, calls="decode"):
     """Requests of `lengths` tokens (images, new tokens and arrivals drawn from `data`) served
-    by `runner`: each gets transformers' tokens for it alone; one joins mid-decode."""
+    by `runner`: each gets transformers' tokens for it alone; one joins mid-decode (a step of
+    `calls`: "decode", or "speculate" rounds)."""
     rng = np.random.default_rng(seed)
     requests, want = [], []
     for length in lengths:
@@ -109,7 +110,7 @@ def check_serve(hf, runner, lengths, data, seed):
     got, timeline = runner.serve(requests)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
-    assert any("joins" in line and "decode" in line for line in timeline)
+    assert any("joins" in line and calls in line for line in timeline)
 
 
 def test_serve_command_reads_requests(served, tmp_path, capsys):
