@@ -19,6 +19,7 @@ from codegen.folder.integrity import FolderError
 from codegen.folder.sessions import read_manifest
 from codegen.graphs import GraphError
 from codegen.run.runtime import Runner
+from codegen.run.speculation import round_feed
 from tests.assistant_oracle import assistant_config, hf_assistant, repeating_assistant
 from tests.e2e.test_serve import GRIDS, MARGIN, REQUESTS, check_serve
 from tests.text_oracle import hf_generate, hf_model, hf_request, prompt, text_config
@@ -125,8 +126,9 @@ def test_speculative_run_gives_transformers_tokens(dense, lengths, data, seed):
 def test_rounds_accept_every_count_and_report_it(dense, capsys):
     """A prompt whose greedy continuation repeats tokens in runs: the repeating drafter's rounds
     accept every count from 0 to 3 (rejected drafts past the sliding window: a ring of W slots
-    instead of W + K + 1 gives other tokens here), the run prints per row its rounds, drafts accepted per round and
-    target calls per token (fewer than 1), and `--no-speculate` prints the same ids."""
+    instead of W + K + 1 gives other tokens here), the run prints per row its rounds, drafts
+    accepted per round and target calls per token (fewer than 1), and `--no-speculate` prints
+    the same ids."""
     hf, runner = dense
     ids = prompt(np.random.default_rng(4), 14, [], 96)
     want, _ = hf_generate(hf, ids, [], [], 20, eos=None)
@@ -181,16 +183,11 @@ def test_what_cannot_speculate_is_refused(dense, tmp_path):
     assert json.loads((copy / "manifest.json").read_text())["assistant"]
 
 
-def test_rounds_at_the_end_of_the_cache(dense):
-    """A prompt that fills the cache to ctx_len with its max_new_tokens: the last rounds' draft
-    positions past ctx_len are padding (the cache has no slot there: onnxruntime would let a
-    write there pass, a device would write out of bounds), and the tokens are the target's."""
-    hf, runner = dense
-    seen = []
-    runner = Runner(runner.folder, check_shards=False,
-                    on_call=lambda kind, feed: seen.append(feed["position_ids"].max()))  # fmt: skip
-    ids = prompt(np.random.default_rng(5), runner.ctx_len - 10, [], 96)
-    want, _ = hf_generate(hf, ids, [], [], 10, eos=None)
-    got = runner.generate([ids], max_new_tokens=10, stop=())
-    np.testing.assert_array_equal(got[0], want)
-    assert runner.ctx_len - 3 <= max(seen) < runner.ctx_len
+def test_a_round_at_the_end_of_the_cache_pads_past_it():
+    """`round_feed`: a round's draft positions at or past ctx_len are padding (−1: the cache has
+    no slot there; onnxruntime lets such a write pass, a device would write out of bounds), as
+    is a row without a request and the rows past the given ones."""
+    ids, pos = round_feed(np.array([7, 8]), np.array([94, -1]), np.array([[1, 2, 3], [4, 5, 6]]),
+                          3, 96)  # fmt: skip
+    np.testing.assert_array_equal(pos, [[94, 95, -1, -1], [-1] * 4, [-1] * 4])
+    np.testing.assert_array_equal(ids[:2], [[7, 1, 2, 3], [8, 4, 5, 6]])
