@@ -76,13 +76,15 @@ def tensor_shapes(config):
     return {n: tuple(s) for n, s in sorted(shapes.items())}
 
 
-def write_sparse_shard(path, shapes):
-    """A safetensors file of bf16 tensors whose data region is a hole; -> header bytes."""
+def write_sparse_shard(path, shapes, dtypes=None):
+    """A safetensors file of bf16 tensors (or dtypes {name: ("I64", 8)}: safetensors code and
+    bytes per element) whose data region is a hole; -> header bytes."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
-        nbytes = 2 * math.prod(shape)
+        code, size = (dtypes or {}).get(name, ("BF16", 2))
+        nbytes = size * math.prod(shape)
         header[name] = {
-            "dtype": "BF16",
+            "dtype": code,
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }

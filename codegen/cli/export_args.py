@@ -42,7 +42,8 @@ def _source_and_vision(e):
         help="an MTP assistant checkpoint (google/gemma-4-*-it-assistant): adds the speculate "
         "graph (verify K drafts, accept, draft the next K, in one call); its shards are "
         "hard-linked into OUT/assistant/; every language graph's sliding ring grows to "
-        "window + K + 1 slots",
+        "window + K + 1 slots (with --prefill-only: the ring alone, for a decode side "
+        "exported with the same assistant)",
     )
     e.add_argument(
         "--num-speculative-tokens",

@@ -169,11 +169,8 @@ class ExportOptions:
             raise ExportError(f"--num-speculative-tokens {k!r}: expected an int >= 1")
         if self.assistant is None:
             return
-        if "decode" not in self.phases or "model" not in self.graphs:
-            raise ExportError(
-                "--assistant: the speculate graph is a decode graph; export the model's "
-                "decode phase (not --prefill-only, --graphs model)"
-            )
+        if "model" not in self.graphs:
+            raise ExportError("--assistant: speculate is a language graph (--graphs model)")
         if self.weights != "external":
             raise ExportError(
                 "--assistant with --weights inputs: not supported (the drafter's tensors are "

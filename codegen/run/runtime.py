@@ -80,10 +80,14 @@ class Runner:
                 raise RunError(
                     f"{decode_folder}: its KV-cache layout {other.retained_layout} is not "
                     f"the prefill's {manifest.retained_layout}: export both sides with "
-                    "the same model, batch, ctx_len and cache options"
+                    "the same model, batch, ctx_len and cache options (an --assistant's K "
+                    "sizes the sliding ring: give both sides the same)"
                 )
-            graphs["decode"] = entry
-            homes["decode"] = (decode_folder, open_checkpoint(decode_folder))
+            home = (decode_folder, open_checkpoint(decode_folder))
+            graphs["decode"], homes["decode"] = entry, home
+            for g in other.graphs:  # the decode side's speculate graph (its --assistant)
+                if g.kind == "speculate":
+                    graphs["speculate"], homes["speculate"] = g, home
         missing = [k for k in ("prefill", "decode") if k not in graphs]
         if missing:
             raise RunError(

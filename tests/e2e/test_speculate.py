@@ -18,7 +18,7 @@ from codegen.export.command import ExportError, ExportOptions, export
 from codegen.folder.integrity import FolderError
 from codegen.folder.sessions import read_manifest
 from codegen.graphs import GraphError
-from codegen.run.runtime import Runner
+from codegen.run.runtime import RunError, Runner
 from codegen.run.speculation import round_feed
 from tests.assistant_oracle import assistant_config, hf_assistant, repeating_assistant
 from tests.e2e.test_serve import GRIDS, MARGIN, REQUESTS, check_serve
@@ -168,6 +168,8 @@ def test_what_cannot_speculate_is_refused(dense, tmp_path):
         export(ExportOptions(num_speculative_tokens=3, **base))
     with pytest.raises(ExportError, match="expected an int >= 1"):
         export(ExportOptions(assistant=folder + "/assistant", num_speculative_tokens=0, **base))
+    with pytest.raises(ExportError, match="--graphs model"):
+        export(ExportOptions(assistant=folder + "/assistant", graphs=("attention",), **base))
     with pytest.raises(ExportError, match="--weights inputs"):
         export(ExportOptions(assistant=folder + "/assistant", weights="inputs", **base))
     text = text_config(moe=False, layer_types=[SLIDING, FULL], window=5)
@@ -191,3 +193,28 @@ def test_a_round_at_the_end_of_the_cache_pads_past_it():
                           3, 96)  # fmt: skip
     np.testing.assert_array_equal(pos, [[94, 95, -1, -1], [-1] * 4, [-1] * 4])
     np.testing.assert_array_equal(ids[:2], [[7, 1, 2, 3], [8, 4, 5, 6]])
+
+
+def test_a_prefill_side_hands_its_cache_to_a_speculating_decode_side(dense, tmp_path):
+    """`--prefill-only --assistant` sizes the ring for K (no speculate graph), `--decode-only
+    --assistant` holds decode and speculate: `run --decode-from` speculates on the handed-over
+    cache and gives the target's tokens; a prefill side without the assistant is refused by
+    its ring."""
+    hf, runner = dense
+    folder, sides = runner.folder, {}
+    for phase in ("prefill", "decode"):
+        sides[phase] = tmp_path / phase
+        export(ExportOptions(out=sides[phase], model=folder, assistant=folder + "/assistant",
+                             phases=(phase,), budgets=(), batch_size=2, seq_len=12, ctx_len=96,
+                             hash_shards=False))  # fmt: skip
+    kinds = {p: [g.kind for g in read_manifest(sides[p]).graphs] for p in sides}
+    assert kinds == {"prefill": ["prefill"], "decode": ["decode", "speculate"]}
+    ids = prompt(np.random.default_rng(4), 14, [], 96)
+    want, _ = hf_generate(hf, ids, [], [], 12, eos=None)
+    handed = Runner(sides["prefill"], decode_folder=sides["decode"], check_shards=False)
+    assert handed.drafts == 3
+    np.testing.assert_array_equal(handed.generate([ids], max_new_tokens=12, stop=())[0], want)
+    export(ExportOptions(out=tmp_path / "plain", model=folder, phases=("prefill",), budgets=(),
+                         batch_size=2, seq_len=12, ctx_len=96, hash_shards=False))  # fmt: skip
+    with pytest.raises(RunError, match="sliding ring"):
+        Runner(tmp_path / "plain", decode_folder=sides["decode"])
