@@ -451,6 +451,8 @@ def test_help_documents_every_option(capsys):
         "comp_ctx_lengths_decode": "--comp-ctx-lengths-decode",
         "moe_prefill": "--moe-prefill",
         "moe_decode": "--moe-decode",
+        "assistant": "--assistant",
+        "num_speculative_tokens": "--num-speculative-tokens",
     }
     assert set(flags) == {f.name for f in dataclasses.fields(ExportOptions)}
     for flag in [*flags.values(), "--decode-only"]:
