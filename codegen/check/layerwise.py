@@ -34,6 +34,7 @@ from codegen.check.head_slices import head_rows
 from codegen.check.layer_buffers import Buffers, Compiled
 from codegen.check.segments import LayerwiseError, Runner
 from codegen.folder.sessions import LIBC, give_back
+from codegen.graphs import speculate
 from ref.attention import reference
 from ref.cache import take_rows
 from ref.gemma4.step import Logits
@@ -141,6 +142,14 @@ def _checkpoint_name(names, module, keys):
     return found[0]
 
 
+def kind_weights(names, kind):
+    """The weights a layer of function `kind` takes its parameters from: a speculate graph's
+    drafter layers (`Assistant…`) the drafter's (`assistant.*`), every other layer the rest
+    (both models have `model.layers.0…`)."""
+    own = kind.startswith(speculate.DRAFTER)
+    return [n for n in names if n.startswith(speculate.PREFIX) == own]
+
+
 def layer_names(names, module):
     """The checkpoint names of the bound layer's parameters, in leaf order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(module.variables["params"])
@@ -222,7 +231,8 @@ def deferred_weights(spec, checkpoint):
 def _kernel(spec):
     """The language graphs' reference attends by query slices (`sliced_reference`); the
     vision reference attends per item in tiles already."""
-    return {"attention": sliced_reference} if spec.kind in ("prefill", "decode") else {}
+    text = ("prefill", "decode", "speculate")
+    return {"attention": sliced_reference} if spec.kind in text else {}
 
 
 def aligned(x, align=64, dtype=None):
@@ -267,7 +277,8 @@ def layered_reference(spec, checkpoint, feed, hook):
     with (
         graphs.layer_scope(),
         graphs.layer_check(hook),
-        nn.intercept_methods(gather_rows(spec.weights, checkpoint)),
+        # the tables gathered are the target's (a drafter's head is read whole)
+        nn.intercept_methods(gather_rows(kind_weights(spec.weights, ""), checkpoint)),
         nn.intercept_methods(head_slices(spec.head, checkpoint)),
     ):
         return spec.reference(shared, deferred_weights(spec, checkpoint), **_kernel(spec))
@@ -290,14 +301,15 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
         given = [graphs.drawn(a) for a in arrays]  # a `Drawn` cache: drawn for this layer
         arrays = [jax.device_put(g) if isinstance(a, graphs.Drawn) else a
                   for a, g in zip(arrays, given, strict=True)]  # fmt: skip
-        host = layer_arrays(names, checkpoint, module, buffers)
+        mine = kind_weights(names, kind)
+        host = layer_arrays(mine, checkpoint, module, buffers)
         params = [jax.device_put(a) for a in host]
         made, out_map, tree = compiled.results(kind, slot, [*arrays, *params])
         if any(src == "in" and j >= len(arrays) for src, j in out_map):
             raise LayerwiseError(f"layer {k} ({kind}) returns one of its weights")
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         where = f"layer {k} ({kind})"
-        weights = list(zip(layer_names(names, module), host, strict=True))
+        weights = list(zip(layer_names(mine, module), host, strict=True))
         del params, host
         made = [spilled(m, folder) for m in made]  # on disk while onnxruntime runs the layer
         glue, ours = runner.layer(k, kind, given, weights, made)

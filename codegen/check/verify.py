@@ -82,7 +82,7 @@ def way(spec, entry, model, checkpoint, layerwise_given=None):
     and language graphs whose layers are ONNX functions go layer by layer when asked
     (layerwise_given True) or, by default, when their float32 weights exceed LAYERWISE_BYTES;
     everything else whole."""
-    if layerwise_given is False or entry.kind not in ("vision", "prefill", "decode"):
+    if layerwise_given is False or entry.kind not in ("vision", "prefill", "decode", "speculate"):
         return "whole"
     if not segments.has_layers(model):
         return "whole"

@@ -25,7 +25,7 @@ import numpy as np
 
 from codegen.graphs import GraphError, GraphSpec, Tensor, layer_function, route_layers, text_config
 from codegen.graphs.ccl import CCL, ccl_constraints, specializations
-from codegen.graphs.decoder import LM_HEAD, cache_owners, cache_tensors, decoder_kinds
+from codegen.graphs.decoder import LM_HEAD, cache_owners, cache_tensors, decoder_kinds, gathered
 from codegen.graphs.decoder import model_weights as target_weights
 from codegen.graphs.model import (
     model_sample,
@@ -43,6 +43,7 @@ from ref.gemma4.speculative import check_pair, device_round
 from weights import check_shapes
 
 PREFIX = "assistant."  # the graph's names of the drafter's tensors (`codegen.folder.paired`)
+DRAFTER = "Assistant"  # the drafter's layer functions are named DRAFTER + their kind
 
 
 def drafter(assistant):
@@ -118,7 +119,7 @@ def speculate_graph(
         Tensor("drafts", ("batch_size", drafts), "int32"),
     ) + tuple(Tensor(t.name + "_RetainedState", t.shape, t.dtype) for t in cache_in)
     kinds = decoder_kinds(cfg)
-    own = tuple("Assistant" + k for k in decoder_kinds(acfg.text))
+    own = tuple(DRAFTER + k for k in decoder_kinds(acfg.text))
     forward = _forward(cfg, acfg, ids, cache_in, names, mine, prefix, (kinds, own), experts)
     if use_functions:
         for kind in set(kinds) | set(own):
@@ -148,6 +149,8 @@ def speculate_graph(
         specializations=specializations("speculate", base, (), ccls),
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
         static=tuple(base),
+        gathered=gathered(prefix, names),
+        head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
         lazy=tuple(t.name for t in cache_in),
         constraints=ccl_constraints(ctx_len, multiple) if ccls else (),
     )

@@ -30,7 +30,7 @@ from ref.attention import reference
 from ref.gemma4.text import DecoderLayer
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.gemma4.tower import checkpoint_loader
-from ref.layers import RMSNorm, Weight, linear
+from ref.layers import Embedding, RMSNorm, Weight, linear
 
 DEFAULT_DRAFTS = 4  # drafts per round when neither the caller nor generation_config names it
 
@@ -201,12 +201,24 @@ def centroid_logits(hidden, head, centroids, ordering, top_k):
     return filled.at[rows[0], rows[1], ids].set(chosen, mode="promise_in_bounds")
 
 
+class _TargetEmbedding(nn.Module):
+    """The target's `embed_tokens` (`ref.layers.Embedding`, the module the target's own step
+    uses, so a reader of its table by rows sees the drafter's reads too)."""
+
+    hidden_size: int
+
+    @nn.compact
+    def __call__(self, ids, vocab):
+        return Embedding(vocab, self.hidden_size, self.hidden_size**0.5, name="embed_tokens")(ids)
+
+
 def target_embedding(params, ids, hidden_size):
     """The target's scaled token embedding (`Gemma4TextScaledWordEmbedding`, as
     `ref.layers.Embedding` computes it) of ids [B, S] → [B, S, D] (params: its
     `model.language_model` tree)."""
     table = params["embed_tokens"]["weight"]
-    return table[ids] * jnp.asarray(hidden_size**0.5, table.dtype)
+    return _TargetEmbedding(hidden_size).apply({"params": {"embed_tokens": {"weight": table}}},
+                                               ids, table.shape[0])  # fmt: skip
 
 
 def param_shapes(config):

@@ -137,13 +137,14 @@ def device_round(params, lm_head, drafter, cache, ids, positions, batch_index=No
     # the first disagreement's index: ArgMax takes the first of equal maxima (ONNX's default,
     # an op QEfficient's exports use); no CumProd
     n = jnp.argmax(jnp.concatenate([1 - agree, jnp.ones_like(agree[:, :1])], axis=1), axis=1)
+    n = n.astype(jnp.int32)  # positions stay int32 with jax_enable_x64 too (as the graph's)
     at = n[:, None]
     token = jnp.take_along_axis(chosen, at, axis=1)  # [B, 1]
     h = jnp.take_along_axis(out["hidden"], at[:, :, None], axis=1)  # [B, 1, D]
     slot = lax.broadcasted_iota(jnp.int32, chosen.shape, 1)
     shifted = jnp.concatenate([ids[:, 1:], token], axis=1).astype(jnp.int32)
     tokens = jnp.where(slot < at, shifted, jnp.where(slot == at, token, -1))
-    position = positions[:, 0] + n + 1
+    position = positions[:, 0].astype(jnp.int32) + n + 1
     rows = None if batch_index is None else batch_index[:, 0]
     keys = drafter_keys(config, out["cache"], position, rows, key_len)
     next_drafts = []
@@ -154,7 +155,7 @@ def device_round(params, lm_head, drafter, cache, ids, positions, batch_index=No
         token = jnp.argmax(step_out["logits"], axis=-1).astype(jnp.int32)  # [B, 1]
         h = step_out["projected"]
         next_drafts.append(token)
-    return {"tokens": tokens, "accepted": n.astype(jnp.int32),
+    return {"tokens": tokens, "accepted": n,
             "drafts": jnp.concatenate(next_drafts, axis=1), "cache": out["cache"]}  # fmt: skip
 
 

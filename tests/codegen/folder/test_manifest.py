@@ -37,7 +37,7 @@ def test_a_real_manifest_round_trips_byte_for_byte(exported):
     text = (exported / MANIFEST).read_text()
     data = json.loads(text)
     assert text == json.dumps(data, indent=2) + "\n"
-    assert list(data) == [*TOP, "retained_layout"]
+    assert list(data) == [*TOP, "retained_layout", "assistant"]
     assert list(data["shards"][0]) == ["file", "bytes", "copied", "sha256"]
     assert all(list(g) == GRAPH for g in data["graphs"])
     assert list(data["graphs"][0]["inputs"][0]) == ["name", "dtype", "shape", "shapes"]
@@ -62,12 +62,12 @@ def test_a_manifest_that_is_not_an_object_is_refused(tmp_path):
 
 def _older(data):
     """What an export before the upgraded keys wrote."""
-    del data["retained_layout"]
+    del data["retained_layout"], data["assistant"]
     for shard in data["shards"]:
         del shard["sha256"]
     for g in data["graphs"]:
         del g["weight_spec"], g["clip_fp16"]
-        for key in ("tiles", "full_batch_size", "folded_cache"):
+        for key in ("tiles", "full_batch_size", "folded_cache", "drafts"):
             g["options"].pop(key, None)
 
 
@@ -75,14 +75,16 @@ def test_an_older_folder_loads_with_the_old_meaning(exported, tmp_path):
     now = manifest.load(exported)
     old = manifest.load(_copy_with(exported, tmp_path, _older))
     assert old.retained_layout is None and now.retained_layout is not None
+    assert old.assistant is None
     assert all(s.sha256 is None for s in old.shards)
     assert all(g.weight_spec is None and g.clip_fp16 is None for g in old.graphs)
     vision, prefill, decode = old.graphs
     assert vision.options["tiles"] == (1, 1)
     for g in (prefill, decode):
         assert g.options["full_batch_size"] is None and g.options["folded_cache"] is False
+        assert g.options["drafts"] == 0  # no speculate graph: the ring of W slots
     # what the older folder did record keeps its order; the upgraded keys follow
-    upgraded = ["full_batch_size", "folded_cache"]
+    upgraded = ["full_batch_size", "folded_cache", "drafts"]
     recorded = [k for k in now.graphs[2].options if k not in upgraded]
     assert list(decode.options) == recorded + upgraded
 
