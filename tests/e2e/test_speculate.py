@@ -200,23 +200,23 @@ def test_a_round_at_the_end_of_the_cache_pads_past_it():
 
 
 def test_a_prefill_side_hands_its_cache_to_a_speculating_decode_side(dense, tmp_path):
-    """`--prefill-only --assistant` sizes the ring for K (no speculate graph), `--decode-only
-    --assistant` holds decode and speculate: `run --decode-from` speculates on the handed-over
-    cache and gives the target's tokens; a prefill side without the assistant is refused by
-    its ring."""
+    """`--prefill-only --assistant` sizes the ring for K (here 1; no speculate graph),
+    `--decode-only --assistant` holds decode and speculate: `run --decode-from` speculates on
+    the handed-over cache and gives the target's tokens; a prefill side without the assistant
+    is refused by its ring."""
     hf, runner = dense
     folder, sides = runner.folder, {}
     for phase in ("prefill", "decode"):
         sides[phase] = tmp_path / phase
         export(ExportOptions(out=sides[phase], model=folder, assistant=folder + "/assistant",
-                             phases=(phase,), budgets=(), batch_size=2, seq_len=12, ctx_len=96,
-                             hash_shards=False))  # fmt: skip
+                             num_speculative_tokens=1, phases=(phase,), budgets=(), batch_size=2,
+                             seq_len=12, ctx_len=96, hash_shards=False))  # fmt: skip
     kinds = {p: [g.kind for g in read_manifest(sides[p]).graphs] for p in sides}
     assert kinds == {"prefill": ["prefill"], "decode": ["decode", "speculate"]}
     ids = prompt(np.random.default_rng(4), 14, [], 96)
     want, _ = hf_generate(hf, ids, [], [], 12, eos=None)
     handed = Runner(sides["prefill"], decode_folder=sides["decode"], check_shards=False)
-    assert handed.drafts == 3
+    assert handed.drafts == 1
     np.testing.assert_array_equal(handed.generate([ids], max_new_tokens=12, stop=())[0], want)
     export(ExportOptions(out=tmp_path / "plain", model=folder, phases=("prefill",), budgets=(),
                          batch_size=2, seq_len=12, ctx_len=96, hash_shards=False))  # fmt: skip
