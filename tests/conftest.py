@@ -72,6 +72,7 @@ SLOWEST_FIRST = [
     "test_mesh.py",
     "test_speculative.py",
     "test_speculate.py",
+    "test_ccl.py",
     "test_cache.py",
     "test_codegen_checks.py",
     "test_vision_export_tiles.py",

@@ -72,18 +72,18 @@ def slotted(tmp_path_factory):
 
 
 def test_verify_checks_the_speculate_graph(dense, slotted):
-    """The speculate graph of each export against `device_round` on drawn inputs (whole, and
-    layer by layer): tokens, counts and drafts exactly, caches within verify's tolerance; the
-    manifest records the assistant, its shards under assistant/, K and the ring of W + K + 1
-    slots."""
-    for (_, runner), layerwise in ((dense, True), (slotted, False)):
-        # the other graphs: as every export's (tests/codegen/export); layer by layer, each
-        # layer call of both models (the drafter's K times) against its own ONNX function
-        rows = verify(runner.folder, seed=3, check_shards=False, graphs=["speculate"],
-                      layerwise_given=layerwise)  # fmt: skip
-        assert {r[2] for r in rows} >= {"tokens", "accepted", "drafts"}
-        assert all(r[-1] for r in rows), rows
-        assert any(r[2] == "layer outputs" for r in rows) == layerwise
+    """The speculate graph against `device_round` on drawn inputs, layer by layer: tokens,
+    counts and drafts exactly, caches within verify's tolerance; each export's manifest
+    records the assistant, its shards under assistant/, K and the ring of W + K + 1 slots."""
+    # the dense export's speculate graph layer by layer: each layer call of both models (the
+    # drafter's K times) against its own ONNX function, the rest in the glue; the other
+    # graphs as every export's (tests/codegen/export); the slotted export's speculate graph
+    # (MoE, blocked, compute context lengths) by its tokens (`test_serve_speculates_each_slot`)
+    rows = verify(dense[1].folder, seed=3, check_shards=False, graphs=["speculate"],
+                  layerwise_given=True)  # fmt: skip
+    assert {r[2] for r in rows} >= {"tokens", "accepted", "drafts", "layer outputs"}
+    assert all(r[-1] for r in rows), rows
+    for _, runner in (dense, slotted):
         manifest = read_manifest(runner.folder)
         assert manifest.assistant and any(s.file.startswith("assistant/") for s in manifest.shards)
         graph = next(g for g in manifest.graphs if g.kind == "speculate")

@@ -275,7 +275,7 @@ def test_any_acceptance_pattern_gives_the_targets_tokens(data, drafts, ring, sto
                 assert r.accepted[row] == agreed[row]
 
 
-@settings(max_examples=examples(3), deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(drafts=st.sampled_from([1, 3]), ring=st.booleans(), slots_only=st.booleans(),
        slotted=st.booleans(), data=st.data())  # fmt: skip
 def test_a_device_round_equals_the_host_round(drafts, ring, slots_only, slotted, data):
