@@ -81,9 +81,43 @@ def vocab_slices(seg, head, inits):
         axis.update(dict.fromkeys(n.output, a))
         nodes.append(n)
     derived = [x for x in seg.makes if x in axis]
-    if any(axis[x] != -1 for x in derived) or any(head in n.input for n in nodes):
+    # read elsewhere than through its Cast (a float32 head is fed as itself: read anywhere)
+    if any(axis[x] != -1 for x in derived) or (fed != head and any(head in n.input for n in nodes)):
         return None
     return nodes, fed, set(derived)
+
+
+def head_cut(nodes, head, inits):
+    """A glue segment's `nodes` that project onto the output head and then read the projection
+    whole (the speculate graph: an argmax over the vocabulary, and a Gather of the head's rows
+    for the drafter's first embedding) cut in two → (first, rest): first makes every value of
+    the head's rows through `_PER_COLUMN` ops and what those read, so `vocab_slices` runs it a
+    slice at a time; rest reads its results whole (a Gather of the head through its Cast gets
+    the Cast too: `rows_before_cast` then reads the gathered rows alone). None when there is
+    nothing to cut."""
+    t = inits.get(head)
+    if t is None or len(t.dims) != 2 or t.dims[0] <= VOCAB_ROWS:
+        return None
+    made = {head}
+    derived = []
+    for n in nodes:
+        if any(x in made for x in n.input) and n.op_type in _PER_COLUMN:
+            made.update(n.output)
+            derived.append(n)
+    producer = {o: n for n in nodes for o in n.output}
+    first, stack = set(), list(derived)
+    while stack:
+        n = stack.pop()
+        if id(n) not in first:
+            first.add(id(n))
+            stack += [producer[x] for x in n.input if x in producer]
+    rest = [n for n in nodes if id(n) not in first]
+    casts = {n.output[0]: n for n in nodes if n.op_type == "Cast" and list(n.input) == [head]}
+    needed = {x for n in rest for x in n.input}
+    rest = [casts[x] for x in casts if x in needed] + rest
+    if not rest or len(rest) == len(nodes):
+        return None
+    return [n for n in nodes if id(n) in first], rest
 
 
 def head_rows(checkpoint, name):

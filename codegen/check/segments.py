@@ -6,7 +6,9 @@
 weights) and the runs of glue between calls; `Runner` runs them in order, each as its own
 onnxruntime model, dropping values no later segment reads; a layer call's weights read from
 the very bytes `ref` read are fed `ref`'s arrays (`bound_weights`); a glue segment that
-projects onto the output head runs a slice of the head's rows at a time (`vocab_slices`).
+projects onto the output head runs a slice of the head's rows at a time (`vocab_slices`), after
+being cut at the projection when it also reads the projection whole (`head_cut`: the speculate
+graph's acceptance and drafts).
 """
 
 import dataclasses
@@ -18,7 +20,7 @@ from onnx import helper
 
 from codegen import graphs
 from codegen.check.device_graph import Inexact
-from codegen.check.head_slices import head_rows, rows_before_cast, vocab_slices
+from codegen.check.head_slices import head_cut, head_rows, rows_before_cast, vocab_slices
 from codegen.check.supplied_weights import Supplier, same_bytes
 from codegen.folder.sessions import give_back, session_at
 
@@ -109,6 +111,21 @@ def segments(model):
     return out, last_use
 
 
+def _part(nodes, inits):
+    """A glue `Segment` of `nodes` (makes left to the caller): what it reads from outside, its
+    weights."""
+    seg, made = Segment(list(nodes), None), set()
+    for node in nodes:
+        for x in node.input:
+            if x in inits:
+                seg.weights.append(x)
+            elif x and x not in made and x not in seg.needs:
+                seg.needs.append(x)
+        made.update(node.output)
+    seg.weights = list(dict.fromkeys(seg.weights))
+    return seg
+
+
 _ONNX_TYPES = {
     np.dtype(np.float32): onnx.TensorProto.FLOAT,
     np.dtype(np.float64): onnx.TensorProto.DOUBLE,
@@ -186,6 +203,10 @@ class Runner:
         of it (`vocab_slices`)."""
         feed = {n: graphs.drawn(feed[n]) for n in seg.needs}
         sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
+        if sliced is None and seg.layer is None and self.checkpoint is not None:
+            parts = self._cut(seg)
+            if parts is not None:
+                return self._in_parts(seg, parts, feed)
         if sliced is None or self.checkpoint is None:
             session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed,
                                     seg.layer is not None)  # fmt: skip
@@ -202,6 +223,28 @@ class Runner:
             np.concatenate([p[k] for p in parts], axis=-1) if n in derived else parts[0][k]
             for k, n in enumerate(seg.makes)
         ]
+
+    def _cut(self, seg):
+        """Glue `seg` as two segments (`head_cut`), the first run a slice of the head at a
+        time (`vocab_slices`), or None."""
+        cut = head_cut(seg.nodes, self.head, self.inits)
+        if cut is None:
+            return None
+        first, rest = (_part(nodes, self.inits) for nodes in cut)
+        own = {o for n in rest.nodes for o in n.output}  # the head's Cast: made there again
+        later = (set(seg.makes) | {x for n in rest.nodes for x in n.input}) - own
+        first.makes = [o for n in first.nodes for o in n.output if o in later]
+        rest.makes = [o for n in rest.nodes for o in n.output if o in seg.makes]
+        if not first.makes:  # nothing made from the head but its Cast (a Gather's table)
+            return None
+        return (first, rest) if vocab_slices(first, self.head, self.inits) else None
+
+    def _in_parts(self, seg, parts, feed):
+        """`_outputs` of glue `seg` run as its `_cut` parts, in order."""
+        values = dict(feed)
+        for part in parts:
+            values.update(zip(part.makes, self._outputs(part, values), strict=True))
+        return [values[n] for n in seg.makes]
 
     def _run(self, seg, feed):
         out = self._outputs(seg, feed)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from codegen.__main__ import main
+from codegen.check import head_slices, segments
 from codegen.check.verify import verify
 from codegen.export.command import ExportError, ExportOptions, export
 from codegen.folder.integrity import FolderError
@@ -71,7 +72,7 @@ def slotted(tmp_path_factory):
     return hf, Runner(out)
 
 
-def test_verify_checks_the_speculate_graph(dense, slotted):
+def test_verify_checks_the_speculate_graph(dense, slotted, monkeypatch):
     """The speculate graph against `device_round` on drawn inputs, layer by layer: tokens,
     counts and drafts exactly, caches within verify's tolerance; each export's manifest
     records the assistant, its shards under assistant/, K and the ring of W + K + 1 slots."""
@@ -79,8 +80,14 @@ def test_verify_checks_the_speculate_graph(dense, slotted):
     # drafter's K times) against its own ONNX function, the rest in the glue; the other
     # graphs as every export's (tests/codegen/export); the slotted export's speculate graph
     # (MoE, blocked, compute context lengths) by its tokens (`test_serve_speculates_each_slot`)
+    # the head read 32 rows at a time, as a released vocabulary is: the glue after the last
+    # target layer is cut at the logits (`head_cut`), its first part run a slice at a time
+    monkeypatch.setattr(head_slices, "VOCAB_ROWS", 32)
+    cuts = []
+    monkeypatch.setattr(segments.Runner, "_in_parts", _counted(segments.Runner._in_parts, cuts))
     rows = verify(dense[1].folder, seed=3, check_shards=False, graphs=["speculate"],
                   layerwise_given=True)  # fmt: skip
+    assert cuts, "the glue holding the head and the acceptance was not cut"
     assert {r[2] for r in rows} >= {"tokens", "accepted", "drafts", "layer outputs"}
     assert all(r[-1] for r in rows), rows
     for _, runner in (dense, slotted):
@@ -94,6 +101,16 @@ def test_verify_checks_the_speculate_graph(dense, slotted):
     assert dense[1].drafts == 3 and slotted[1].drafts == 7
     script = slotted[1].folder + "/compile.sh"
     assert "-m=speculate.onnx" in open(script).read()
+
+
+def _counted(method, calls):
+    """`method` that also appends its arguments to `calls`."""
+
+    def counted(*args):
+        calls.append(args)
+        return method(*args)
+
+    return counted
 
 
 @settings(max_examples=examples(2), deadline=None, suppress_health_check=FIXTURES)
