@@ -290,7 +290,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log):
     for name in list(feed):
         x = feed.pop(name)
         feed[name] = x if isinstance(x, graphs.Drawn) else aligned(x)
-    runner = Runner(model, folder, feed, spec.head, checkpoint)
+    runner = Runner(model, folder, feed, (spec.head, *spec.other_heads), checkpoint)
     worst = Worst()
     names = spec.weights
     calls, buffers, compiled = [], Buffers(), Compiled()

@@ -149,7 +149,9 @@ class Runner:
         tensors from the process's `sessions.shared_arena` (for a process that ends after the
         run; glue's are one-offs, the output head's slices 2 GB of them, and not kept)."""
         self.model, self.folder, self.shared = model, folder, shared
-        self.head, self.checkpoint = head, checkpoint
+        # the output head, or heads: a speculate graph's drafter projects onto its own too
+        self.heads = tuple(h for h in (head if isinstance(head, tuple) else (head,)) if h)
+        self.checkpoint = checkpoint
         self.rewrite, self.probe = rewrite, probe
         self.segments, self.last_use = segments(model)
         self.inits = {t.name: t for t in model.graph.initializer}
@@ -202,32 +204,37 @@ class Runner:
         run); a glue segment that projects onto the output head runs once per VOCAB_ROWS rows
         of it (`vocab_slices`)."""
         feed = {n: graphs.drawn(feed[n]) for n in seg.needs}
-        sliced = None if seg.layer is not None else vocab_slices(seg, self.head, self.inits)
-        if sliced is None and seg.layer is None and self.checkpoint is not None:
-            parts = self._cut(seg)
-            if parts is not None:
-                return self._in_parts(seg, parts, feed)
-        if sliced is None or self.checkpoint is None:
-            session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed,
-                                    seg.layer is not None)  # fmt: skip
-            return session.run(seg.makes, {n: feed[n] for n in seg.needs})
+        if seg.layer is None and self.checkpoint is not None:
+            for head in self.heads:
+                sliced = vocab_slices(seg, head, self.inits)
+                if sliced is not None:
+                    return self._sliced(seg, feed, head, sliced)
+                parts = self._cut(seg, head)
+                if parts is not None:
+                    return self._in_parts(seg, parts, feed)
+        session = self._session(seg.nodes, seg.needs, seg.makes, seg.weights, feed,
+                                seg.layer is not None)  # fmt: skip
+        return session.run(seg.makes, {n: feed[n] for n in seg.needs})
+
+    def _sliced(self, seg, feed, head, sliced):
+        """`_outputs` of glue `seg` run once per VOCAB_ROWS rows of `head` (`vocab_slices`)."""
         nodes, fed, derived = sliced
-        weights = [w for w in seg.weights if w != self.head]
+        weights = [w for w in seg.weights if w != head]
         session = self._session(nodes, [*seg.needs, fed], seg.makes, weights,
                                 {**feed, fed: np.zeros(1, np.float32)})  # fmt: skip
         parts = [
             session.run(seg.makes, {**{n: feed[n] for n in seg.needs}, fed: rows})
-            for rows in head_rows(self.checkpoint, self.head)
+            for rows in head_rows(self.checkpoint, head)
         ]
         return [
             np.concatenate([p[k] for p in parts], axis=-1) if n in derived else parts[0][k]
             for k, n in enumerate(seg.makes)
         ]
 
-    def _cut(self, seg):
-        """Glue `seg` as two segments (`head_cut`), the first run a slice of the head at a
+    def _cut(self, seg, head):
+        """Glue `seg` as two segments (`head_cut`), the first run a slice of `head` at a
         time (`vocab_slices`), or None."""
-        cut = head_cut(seg.nodes, self.head, self.inits)
+        cut = head_cut(seg.nodes, head, self.inits)
         if cut is None:
             return None
         first, rest = (_part(nodes, self.inits) for nodes in cut)
@@ -237,7 +244,7 @@ class Runner:
         rest.makes = [o for n in rest.nodes for o in n.output if o in seg.makes]
         if not first.makes:  # nothing made from the head but its Cast (a Gather's table)
             return None
-        return (first, rest) if vocab_slices(first, self.head, self.inits) else None
+        return (first, rest) if vocab_slices(first, head, self.inits) else None
 
     def _in_parts(self, seg, parts, feed):
         """`_outputs` of glue `seg` run as its `_cut` parts, in order."""

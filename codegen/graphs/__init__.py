@@ -172,6 +172,8 @@ class GraphSpec:
     (`Drawn`) when its layer is reached; every other `Drawn` input is drawn before it runs.
     constraints: what the trace may assume of the symbols left symbolic (`jax.export`'s
     constraint strings, e.g. "comp_ctx_lengths <= 4096": a slice to a symbolic end needs it).
+    other_heads: further [V, D] weights the graph projects onto (the speculate graph's
+    drafter head), which such a check also reads a slice of the vocabulary at a time.
     """
 
     name: str
@@ -190,6 +192,7 @@ class GraphSpec:
     head: str | None = None
     lazy: tuple = ()
     constraints: tuple = ()
+    other_heads: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

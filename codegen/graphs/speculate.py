@@ -151,6 +151,7 @@ def speculate_graph(
         static=tuple(base),
         gathered=gathered(prefix, names),
         head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
+        other_heads=(PREFIX + ("model.embed_tokens.weight" if acfg.tied else "lm_head.weight"),),
         lazy=tuple(t.name for t in cache_in),
         constraints=ccl_constraints(ctx_len, multiple) if ccls else (),
     )

@@ -80,14 +80,17 @@ def test_verify_checks_the_speculate_graph(dense, slotted, monkeypatch):
     # drafter's K times) against its own ONNX function, the rest in the glue; the other
     # graphs as every export's (tests/codegen/export); the slotted export's speculate graph
     # (MoE, blocked, compute context lengths) by its tokens (`test_serve_speculates_each_slot`)
-    # the head read 32 rows at a time, as a released vocabulary is: the glue after the last
-    # target layer is cut at the logits (`head_cut`), its first part run a slice at a time
+    # the heads read 32 rows at a time, as a released vocabulary is: a glue segment that
+    # projects onto one and reads the projection whole is cut at the logits (`head_cut`), its
+    # first part run a slice at a time
     monkeypatch.setattr(head_slices, "VOCAB_ROWS", 32)
     cuts = []
     monkeypatch.setattr(segments.Runner, "_in_parts", _counted(segments.Runner._in_parts, cuts))
     rows = verify(dense[1].folder, seed=3, check_shards=False, graphs=["speculate"],
                   layerwise_given=True)  # fmt: skip
-    assert cuts, "the glue holding the head and the acceptance was not cut"
+    # cut at the logits: after the target's last layer (its head), after each of the K = 3
+    # draft steps' last layer (the drafter's own head)
+    assert len(cuts) == 1 + 3, cuts
     assert {r[2] for r in rows} >= {"tokens", "accepted", "drafts", "layer outputs"}
     assert all(r[-1] for r in rows), rows
     for _, runner in (dense, slotted):
