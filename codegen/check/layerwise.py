@@ -118,6 +118,12 @@ def drop_pages(x):
         LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+def passes(err, rel, exact):
+    """The verdict on one compared output: exact (token ids, positions) when `exact`, else
+    within RTOL of the reference's scale."""
+    return err == 0 if exact else rel <= RTOL
+
+
 class Worst:
     """The largest relative error per compared output, and where it was."""
 
@@ -126,7 +132,7 @@ class Worst:
 
     def add(self, output, got, want, where, exact=False):
         err, rel = error(got, want)
-        ok = err == 0 if exact else rel <= RTOL
+        ok = passes(err, rel, exact)
         old = self.rows.get(output)
         if old is None or (not ok and old[3]) or (ok == old[3] and rel > old[1]):
             self.rows[output] = (err, rel, where, ok)

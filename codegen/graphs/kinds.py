@@ -35,11 +35,11 @@ def _language(config, shapes, name, o, use_functions):
 
 
 def _speculate(config, shapes, name, o, use_functions):
-    keys = ("mode", "blocking", "batch_size", "ctx_len", "sliding_ring", "full_batch_size",
-            "folded_cache", "moe", "drafts", "assistant")  # fmt: skip
+    keys = ("mode", "batch_size", "ctx_len", "sliding_ring", "full_batch_size", "folded_cache",
+            "moe", "drafts", "assistant")  # fmt: skip
     return speculate_graph.speculate_graph(
         config, shapes, options=o["blocking"], comp_ctx_lengths=tuple(o["comp_ctx_lengths"]),
-        use_functions=use_functions, **{k: o[k] for k in keys if k != "blocking"},
+        use_functions=use_functions, **{k: o[k] for k in keys},
     )  # fmt: skip
 
 

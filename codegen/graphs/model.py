@@ -177,7 +177,7 @@ def model_graph(
     kinds = decoder_kinds(cfg)
     rows = "batch_size" if full_batch_size is None else "full_batch_size"
     cache_in = cache_tensors(cfg, sliding_ring, ctx_len, rows, folded, drafts)
-    ids, outputs = _io_tensors(cfg, vision, full_batch_size is not None, bool(ccls), cache_in)
+    ids, outputs = io_tensors(cfg, vision, full_batch_size is not None, bool(ccls), cache_in)
     forward = _forward(cfg, vision, ids, cache_in, names, prefix, kinds, experts)
     if use_functions:
         for kind in set(kinds):
@@ -268,7 +268,7 @@ def planned_blocking(
     return config, multiple, ccls
 
 
-def _io_tensors(cfg, vision, batch_index, ccl, cache_in):
+def io_tensors(cfg, vision, batch_index, ccl, cache_in):
     """(the inputs before the caches, the outputs): ids and positions, the soft tokens and
     image_idx (vision), batch_index (continuous batching), comp_ctx_lengths (ccl); logits,
     image_idx_output (vision), then each cache's retained state."""

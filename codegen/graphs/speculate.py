@@ -28,6 +28,7 @@ from codegen.graphs.ccl import CCL, ccl_constraints, specializations
 from codegen.graphs.decoder import LM_HEAD, cache_owners, cache_tensors, decoder_kinds, gathered
 from codegen.graphs.decoder import model_weights as target_weights
 from codegen.graphs.model import (
+    io_tensors,
     model_sample,
     planned_blocking,
     sized_options,
@@ -107,12 +108,7 @@ def speculate_graph(
     mine = _drafter_weights(acfg, tensor_shapes)
     slots = "batch_size" if full_batch_size is None else "full_batch_size"
     cache_in = cache_tensors(cfg, sliding_ring, ctx_len, slots, folded, drafts)
-    ids = (
-        Tensor("input_ids", ("batch_size", "seq_len"), "int32"),
-        Tensor("position_ids", ("batch_size", "seq_len"), "int32"),
-    )
-    ids += (Tensor("batch_index", ("batch_size", 1), "int32"),) if full_batch_size else ()
-    ids += (Tensor(CCL, (CCL,), "int64"),) if ccls else ()
+    ids, _ = io_tensors(cfg, False, full_batch_size is not None, bool(ccls), cache_in)  # decode's
     outputs = (
         Tensor("tokens", ("batch_size", "seq_len"), "int32"),
         Tensor("accepted", ("batch_size",), "int32"),

@@ -43,11 +43,8 @@ def generate(runner, rows, images, *, max_new_tokens, log, stop, emit):
         before = [len(r) for r in state.rows]
         position = state.positions()[:, 0]
         caches, out = runner.speculate(caches, state.token, position, drafts, None)
-        n = out["accepted"]
-        tokens = out["tokens"]
-        every = np.arange(len(rows))
-        state.add([t[: k + 1] for t, k in zip(tokens, n, strict=True)], n, tokens[every, n])
-        drafts = out["drafts"]
+        state.add_round(out["tokens"], out["accepted"])
+        n, drafts = out["accepted"], out["drafts"]
         for r, new in state.emitted_since(before).items():
             for token in new:
                 emit(r, token)

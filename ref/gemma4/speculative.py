@@ -217,14 +217,10 @@ class Rows:
         self.token, self.position = token, np.asarray(lengths, np.int32)
         self.done = np.array([self._ended(r) for r in self.rows])
 
-    def positions(self, ctx_len=None):
-        """[B, K + 1]: P … P + K of each live row, −1 for an ended one; ctx_len: −1 from it on
-        too (a cache has no slot there: a round near the end verifies fewer drafts, whose
-        tokens would be past max_new_tokens anyway)."""
+    def positions(self):
+        """[B, K + 1]: P … P + K of each live row, −1 for an ended one."""
         out = self.position[:, None] + np.arange(self.drafts + 1, dtype=np.int32)
         out[self.done] = -1
-        if ctx_len is not None:
-            out[out >= ctx_len] = -1
         return out
 
     def emitted_since(self, lengths):
@@ -245,6 +241,13 @@ class Rows:
         self.done = self.done | np.array([self._ended(r) for r in self.rows])
         self.token = np.asarray(chosen, np.int32)
         self.position = np.where(live, self.position + n.astype(np.int32) + 1, self.position)
+
+    def add_round(self, tokens, n):
+        """`add` of a device round's results: tokens [B, K + 1] (row b's first n[b] + 1 its
+        emitted ones), n [B] accepted counts."""
+        tokens, n = np.asarray(tokens), np.asarray(n)
+        last = tokens[np.arange(len(n)), n]
+        self.add([t[: k + 1] for t, k in zip(tokens, n, strict=True)], n, last)
 
     def output(self):
         """[B, N] int32, each row padded with the pad id to the longest."""
@@ -307,13 +310,12 @@ def device_generate(target, assistant, first, lengths, max_new_tokens, drafts, s
     before. first: (cache, logits [B, V]) after each row's prompt; the rest as `generate`'s."""
     cache, logits = first
     rows = Rows(logits, lengths, stop, max_new_tokens, pad, drafts, rounds)
-    every = np.arange(len(lengths))
     proposed = np.full((len(lengths), drafts), pad, np.int32)
     one = jax.jit(partial(device_round, config=target.config, assistant=assistant.config))
     while not rows.done.all():
         ids = np.concatenate([rows.token[:, None], proposed], axis=1)
         out = one(target.params, target.lm_head, assistant.params, cache, ids, rows.positions())
-        cache, n, tokens = out["cache"], np.asarray(out["accepted"]), np.asarray(out["tokens"])
-        rows.add([t[: k + 1] for t, k in zip(tokens, n, strict=True)], n, tokens[every, n])
+        cache = out["cache"]
+        rows.add_round(out["tokens"], out["accepted"])
         proposed = np.asarray(out["drafts"])
     return rows.output()
