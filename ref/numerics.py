@@ -24,6 +24,7 @@ MXINT8 storage is `ref.mxint8`.
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -182,11 +183,9 @@ def _all_finite(x):
 
 
 def _all(flags):
-    """all(flags), traced when one of them is."""
-    flags = list(flags)
-    if any(isinstance(f, jax.core.Tracer) for f in flags):
-        return jnp.all(jnp.stack([jnp.asarray(f) for f in flags]))
-    return all(flags)
+    """all(flags), by `&`: traced when one of them is, or a flag of `ref.probe_jit`'s that
+    is decided later."""
+    return functools.reduce(operator.and_, flags, True)
 
 
 class _Places:
@@ -301,11 +300,12 @@ def _evaluated(closed, args, precision, sink=None, prefix="", finite_in=None, pl
 
 def _results(eqn, ins, outs, precision, path, probing):
     """An operation's results as the device stores them: each float one rounded, unless
-    `places` keeps it in float32 (then it joins `unrounded`, the vars holding such values)
-    or it moves a rounded operand's values; recorded by `sink` when given (`_eval`), with the
-    values to take its statistics from: its operand's, for a move of every value of a
-    rounded one (their extremes are the same, and a transposed weight need not be written
-    out)."""
+    `places` keeps it in float32 (then it joins `unrounded`, the vars holding such values;
+    a traced flag, `probe_jit`'s plan as data, selects, and joins it either way: a rounded
+    value rounds to itself) or it moves a rounded operand's values; recorded by `sink` when
+    given (`_eval`), with the values to take its statistics from: its operand's, for a move
+    of every value of a rounded one (their extremes are the same, and a transposed weight
+    need not be written out)."""
     sink, places, finite, is_finite, unrounded = probing
     operands = None
     done = []
@@ -318,7 +318,10 @@ def _results(eqn, ins, outs, precision, path, probing):
             name, ordinal = places.place(path, eqn.primitive.name)
             kept = places.kept(name, eqn.primitive.name, ordinal)
         exact = eqn.primitive.name in jaxpr_facts.MOVES and not _reads(eqn.invars, unrounded)
-        if kept:
+        if isinstance(kept, jax.core.Tracer):  # a plan given as data (`probe_jit`'s mask)
+            unrounded.add(v)
+            o = o if exact else jnp.where(kept, o, _rounded(o, precision))
+        elif kept:
             unrounded.add(v)
         elif not exact:
             o = _rounded(o, precision)

@@ -135,16 +135,18 @@ def _scoped(scope):
 def test_a_function_traced_before_is_named_anew_without_a_new_trace():
     """Calls of one traced function under other prefixes, and of an equal one under another
     name stack, give `numerics.probe`'s Records (names, ordinals, kept) and values; the
-    device program is traced again only for a new name stack or a plan that keeps another
-    of its tensors; a plan that keeps none of them runs the program of no plan (the first
-    call's names reused, or a program under another plan, would fail)."""
+    device program is traced again only for a new name stack, and once more for the first
+    plan that keeps one of its tensors: every such plan runs that program, its flags as data;
+    a plan that keeps none of them runs the program of no plan (the first call's names
+    reused, or one plan's flags read under another, would fail)."""
     x = np.full((3, WIDTH), 2.0, np.float32)
     before, keys = len(probe_jit._TRACED), set(probe_jit._TRACED)
     calls = [(_scoped("a"), "", ()), (_scoped("a"), "layers.1", ()),
              (_scoped("b"), "layers.1", ()), (_scoped("b"), "layers.2", ()),
              (_scoped("b"), "layers.2", ("layers.2.b:mul#0",)),
              (_scoped("b"), "layers.3", ("layers.2.b:mul#0",)),
-             (_scoped("b"), "layers.3", ("layers.3.b:mul#1",))]  # fmt: skip
+             (_scoped("b"), "layers.3", ("layers.3.b:mul#1",)),
+             (_scoped("b"), "layers.3", ("layers.3.b:mul#0", "layers.3.b:mul#1"))]  # fmt: skip
     traced = []
     for fn, prefix, keep in calls:
         got, records = probe_jit.probe_jit(fn, "fp16", x, prefix=prefix, keep=keep)
@@ -152,11 +154,11 @@ def test_a_function_traced_before_is_named_anew_without_a_new_trace():
         assert records == expected, (prefix, keep, records)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         traced.append(len(probe_jit._TRACED) - before)
-    # new keys: a, b; a program per set of kept tensors: none (layers.3 under a plan that
-    # keeps a layers.2 tensor among them), mul#0, mul#1
-    assert traced == [1, 1, 2, 2, 2, 2, 2], traced
+    # new keys: a, b; b's programs: no plan (also layers.3 under a plan keeping a layers.2
+    # tensor), and the plan as data (mul#0, mul#1, both)
+    assert traced == [1, 1, 2, 2, 2, 2, 2, 2], traced
     programs = [len(v[1]) for k, v in probe_jit._TRACED.items() if k not in keys]
-    assert programs == [1, 3], programs
+    assert programs == [1, 2], programs
 
 
 @settings(max_examples=examples(10), deadline=None)

@@ -147,9 +147,10 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     node inside each of the four layer functions, one call each). The layer-by-layer search
     (a released size's way, here forced by --layerwise) runs one segment at a time, where
     onnx's inliner names a layer call's values "…__1" (in the whole graph "…__N"); its plan
-    must name each node by its function body's name, as the whole-graph plan does. The plan
-    is then honoured by a check in a spawned process, as a graph over the layer-by-layer
-    threshold is checked."""
+    must name each node by its function body's name, as the whole-graph plan does (the
+    whole-graph search names them so: the vision test above), and pair it with ref's GELU
+    cube in that layer. The plan is then honoured by a check in a spawned process, as a graph
+    over the layer-by-layer threshold is checked."""
     t = default_tensors()
     _scaled(t, "model.language_model.embed_tokens.weight", 60)
     save_checkpoint(tmp_path / "ckpt", DEFAULT_CONFIG, t)
@@ -157,26 +158,22 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     export(ExportOptions(out=out, model=tmp_path / "ckpt", budgets=(70,), verify=False,
                          phases=("decode",)), log=lambda m: None)  # fmt: skip
     graph = onnx.load(out / "decode.onnx", load_external_data=False)
-    plans, paired = [], []
-    for way in ("--whole", "--layerwise"):
-        args = ["verify", str(out), "--precision", "fp16", "--graph", "decode", way]
-        assert main([*args, "--write-npi"]) == 0
-        capsys.readouterr()
-        plans.append(read_npi(out / "decode.npi.yaml", graph))
-        paired.append(json.loads((out / "decode.npi.ref.json").read_text()))
-        if way == "--layerwise":  # decode over the threshold: checked in a spawned process
-            monkeypatch.setattr(verify_module, "LAYERWISE_BYTES", 0)
-            pools = _counted_pools(monkeypatch)
-        assert main(args) == 0  # the plan honoured, both device models finite
-        assert "plan decode.npi.yaml: 4 node(s) in float32" in capsys.readouterr().out
+    args = ["verify", str(out), "--precision", "fp16", "--graph", "decode", "--layerwise"]
+    assert main([*args, "--write-npi"]) == 0
+    capsys.readouterr()
+    plan = read_npi(out / "decode.npi.yaml", graph)
+    paired = json.loads((out / "decode.npi.ref.json").read_text())
+    monkeypatch.setattr(verify_module, "LAYERWISE_BYTES", 0)  # checked in a spawned process
+    pools = _counted_pools(monkeypatch)
+    assert main(args) == 0  # the plan honoured, both device models finite
+    assert "plan decode.npi.yaml: 4 node(s) in float32" in capsys.readouterr().out
     assert pools == [1], pools  # one child, which honoured the plan
     kinds = ("Sliding", "Full", "SlidingShared", "FullShared")
-    assert plans[0] == [f"{kind}DecoderLayer/gelu_mul_6" for kind in kinds], plans
-    assert plans[1] == plans[0]
-    assert set(plans[0]) <= _compiled_names(out, "decode")
-    assert paired[1] == paired[0] and paired[0]["parted"] is None, paired
+    assert plan == [f"{kind}DecoderLayer/gelu_mul_6" for kind in kinds], plan
+    assert set(plan) <= _compiled_names(out, "decode")
+    assert paired["parted"] is None, paired
     # GELU's x³: the graph's (x·x)·x, ref's integer_pow, in each layer's own body
-    assert [n["ref"] for n in paired[0]["nodes"]] == [
+    assert [n["ref"] for n in paired["nodes"]] == [
         [f"layers.{k}:integer_pow#0"] for k in range(4)
     ], paired
 
