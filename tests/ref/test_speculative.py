@@ -240,7 +240,7 @@ def _exact_cache(model, rows, truth):
     return step(model.params, model.lm_head, cache, ids, positions, config=model.config)["cache"]
 
 
-@settings(max_examples=examples(3), deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(data=st.data(), drafts=st.sampled_from([1, 3, 7]), ring=st.booleans(),
        stop_at=st.integers(-1, 10))  # fmt: skip
 def test_any_acceptance_pattern_gives_the_targets_tokens(data, drafts, ring, stop_at):

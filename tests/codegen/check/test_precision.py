@@ -358,6 +358,9 @@ def _tower(folder, overflowing=True):
 
 
 def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_path, capsys):
+    """A tower whose standardize step (h − std_bias) passes 65504: fine in float32; in float16
+    both device models name the Sub, whole and layer by layer; exported with --clip-fp16 the
+    graph clamps it and the check passes. (bfloat16's range: the default model's test.)"""
     import json
 
     from codegen.__main__ import main
@@ -377,9 +380,6 @@ def test_verify_precision_names_the_standardize_overflow_and_clip_clamps_it(tmp_
         text = capsys.readouterr().out
         assert "ref: sub [70, 32] in VisionModel turns non-finite" in text
         assert "onnx: tensor 'sub_out_1' (Sub of " in text
-        if not way:
-            assert main([*plain, "--precision", "bf16"]) == 0  # 3.4e38
-            capsys.readouterr()
         assert main(["verify", str(tmp_path / "clipped"), *way, "--precision", "fp16"]) == 0
         assert "(clamped in the graph by --clip-fp16)" in capsys.readouterr().out
 
