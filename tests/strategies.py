@@ -2,6 +2,7 @@
 
 from hypothesis import strategies as st
 
+from ref.gemma4.audio_config import AudioConfig
 from ref.gemma4.config import VisionConfig
 
 
@@ -42,3 +43,43 @@ def grids(draw, max_items=5, k=3):
         st.sampled_from([(k, 20 * k), (20 * k, k), (k, k)]),
     )
     return draw(st.lists(item, min_size=1, max_size=max_items))
+
+
+@st.composite
+def audio_configs(draw, max_layers=2):
+    """Tiny Gemma 4 audio configs: the released chunking (12 queries, 12 past, none ahead) or a
+    drawn one (future keys too), soft caps that bite, residual clamps on or off, clipping."""
+    hidden = draw(st.sampled_from([16, 24, 32]))
+    chunking = draw(
+        st.one_of(
+            st.just((12, 13, 0)),
+            st.tuples(st.integers(1, 8), st.integers(2, 10), st.integers(0, 3)),
+        )
+    )
+    return AudioConfig(
+        hidden_size=hidden,
+        num_hidden_layers=draw(st.integers(1, max_layers)),
+        num_attention_heads=draw(st.sampled_from([1, 2, 4])),
+        # not 2: a LayerNorm over two channels is ill-conditioned (float32 noise of 4.5e-5 in
+        # ours and transformers' alike, measured against float64)
+        subsampling_conv_channels=(128, draw(st.sampled_from([4, 8, 32]))),
+        conv_kernel_size=draw(st.sampled_from([3, 5])),
+        residual_weight=draw(st.sampled_from([0.5, 0.75])),
+        attention_chunk_size=chunking[0],
+        attention_context_left=chunking[1],
+        attention_context_right=chunking[2],
+        attention_logit_cap=draw(st.sampled_from([50.0, 3.0])),
+        use_clipped_linears=draw(st.booleans()),
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        gradient_clipping=draw(st.sampled_from([1e10, 2.0])),
+        output_proj_dims=draw(st.sampled_from([12, 24])),
+        text_hidden_size=20,
+    )
+
+
+def clip_samples(max_samples=12_000):
+    """A clip length in samples: at least one valid frame (161), rarely a multiple of the hop."""
+    return st.one_of(
+        st.integers(161, max_samples),
+        st.sampled_from([161, 320, 321, 480, 481, 1_600, 6_400]),
+    )

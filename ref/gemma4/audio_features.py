@@ -111,15 +111,16 @@ def valid_frames(num_samples, frames):
     return np.arange(frames) < valid_frame_count(num_samples)
 
 
-def log_mel(waveform):
+def log_mel(waveform, name="waveform"):
     """Log-mel features of one clip, as the feature extractor makes them for that clip alone.
 
-    waveform: [n] samples at 16 kHz, 1 ≤ n ≤ MAX_SAMPLES → (features [T, MEL_BINS] float32,
-    mask [T] bool), T = frames of the clip padded to a multiple of PAD_MULTIPLE samples;
-    invalid frames are zeros. In a batch, transformers pads every clip to the longest one: the
-    clip's frames are the same, followed by more invalid ones.
+    waveform: [n] float samples at 16 kHz, 1 ≤ n ≤ MAX_SAMPLES (`name` in errors) →
+    (features [T, MEL_BINS] float32, mask [T] bool), T = frames of the clip padded to a
+    multiple of PAD_MULTIPLE samples; invalid frames are zeros. In a batch, transformers pads
+    every clip to the longest one: the clip's frames are the same, followed by more invalid
+    ones.
     """
-    x = check_waveform(waveform)
+    x = check_waveform(waveform, name)
     n = x.size
     padded = -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
     x = np.pad(x, (LEFT_PAD, padded - n))
