@@ -16,6 +16,11 @@ that keep clips apart. Per clip, as transformers computes it:
   (GLU, causal depthwise conv), ½FFN, RMSNorm; the residual stream clamped to
   ±gradient_clipping where transformers clamps it;
 - `output_proj` (with bias) to output_proj_dims.
+
+Measured at the released size (random weights, a 30 s and a 7.3 s clip packed in one call):
+against transformers 1.1e-5 relative in float32 after 12 layers, growing from 7e-7 after the
+subsampling; float32 noise, both sides alike (ours 8.7e-6 and transformers' 7.1e-6 from this
+tower in float64). 6.3 s for the 933 soft tokens on a 2-core CPU, transformers 20 s.
 """
 
 import math

@@ -5,8 +5,8 @@ defects they guard.
 Tolerances: features |ours − transformers| ≤ 1e-6 absolute (float32 resolution at the log-mel
 values' size, |x| < 16: ≤ 9.5e-7; measured 0, bit for bit); the tower and embed_audio against
 Gemma4AudioModel / Gemma4MultimodalEmbedder in float32, relative error max|ours − HF| / max|HF|
-≤ 1e-5 per clip and per layer; packed clips against each clip alone ≤ 1e-6; the chunked
-attention against the dense reference in float64 ≤ 1e-12.
+≤ 1e-5 per clip and per layer; in float64, packed clips against each clip alone and the
+chunked attention against the dense reference ≤ 1e-12.
 """
 
 import dataclasses
@@ -126,7 +126,7 @@ def tower_and_oracles(cfg, seed):
     return model, embedder, tower
 
 
-@settings(max_examples=examples(4))
+@settings(max_examples=examples(6))
 @given(
     cfg=audio_configs(),
     lengths=st.lists(clip_samples(), min_size=1, max_size=3),
@@ -168,9 +168,10 @@ def test_packed_clips_equal_each_clip_alone_and_under_a_frame_budget(
     cfg, lengths, extra, more, seed
 ):
     """A clip's soft tokens do not depend on the clips beside it, nor on the frame budget
-    (filler frames, rows, tokens and chunks); a clip of no valid frame gives none."""
+    (filler frames, rows, tokens and chunks), in float64 (in float32 the programs of different
+    shapes round differently: 1.2e-6 seen); a clip of no valid frame gives none."""
     model = hf_audio_model(cfg, seed)
-    tower = AudioTower(cfg, tree_of(model.state_dict()))
+    tower = AudioTower(cfg, tree_of(model.state_dict()), dtype=np.float64)
     rng = np.random.default_rng(seed)
     pairs = [log_mel(waveform(rng, n, "noise")) for n in lengths]
     features, masks = [f for f, _ in pairs], [m for _, m in pairs]
@@ -186,8 +187,8 @@ def test_packed_clips_equal_each_clip_alone_and_under_a_frame_budget(
         alone, (count,) = tower.encode([f], [m])
         assert count == counts[i] == soft_tokens(int(m.sum()))
         if count:
-            assert rel_err(together[cu[i] : cu[i + 1]], alone) <= 1e-6
-            assert rel_err(budgeted[cu[i] : cu[i + 1]], alone) <= 1e-6
+            assert rel_err(together[cu[i] : cu[i + 1]], alone) <= 1e-12
+            assert rel_err(budgeted[cu[i] : cu[i + 1]], alone) <= 1e-12
 
 
 # --- the chunked attention against its dense reference ---------------------------------------
@@ -314,10 +315,10 @@ def test_guard_reversed_relative_positions_are_caught(guard, monkeypatch):
 
 
 def test_guard_softcap_after_the_mask_is_caught(guard, monkeypatch):
-    """Masked logits capped to −cap instead of −1e9. Invisible with random weights (e^−cap
-    against visible logits far above it), so q and k are clamped to constants of opposite sign
-    (their clip bounds): every visible logit saturates at −cap, and the defect gives the hidden
-    keys the same weight."""
+    """Masked logits capped to −cap instead of −1e9. At the released cap of 50 that is invisible
+    with random weights (a weight e^−50 against visible logits near 0), so q and k are clamped
+    to constants of opposite sign (their clip bounds): every visible logit saturates at −cap,
+    and the defect gives the hidden keys the same weight."""
     state = {k: v.clone() for k, v in guard.model.state_dict().items()}
     for name, value in (("q_proj", 4.0), ("k_proj", -4.0)):
         for bound in ("output_min", "output_max"):
