@@ -95,8 +95,9 @@ def apply_step(
     to embed_tokens; cache: see `init_cache` (ctx_len slots; keys and values may be held
     batch-folded, [1, B·Hkv, T, hd]: `kv_cache.unfolded`); input_ids, position_ids:
     [B, S] (position −1 = padding column: computes nothing useful, writes nothing);
-    vision_embeds: [B, vision_size, D] soft tokens per row (prefill), None to skip the merge
-    (decode); image_idx: [B, 1] next unread soft token per row; attention: a function with
+    vision_embeds: [B, vision_size, D] soft tokens per row, its image, video and audio
+    placeholders' in order (prefill), None to skip the merge (decode); image_idx: [B, 1] next
+    unread soft token per row; attention: a function with
     `ref.attention.reference`'s signature (dense or blocked); batch_index: None, or [B, 1] int
     (continuous batching, QEfficient's `batch_index`): the cache holds F ≥ B slots and row b
     reads and writes slot batch_index[b] only (−1: a free row, whose writes are dropped);

@@ -6,9 +6,13 @@ gives the same result — as long as no chunk boundary cuts an image run, whose 
 other both ways (see `ref.gemma4.schedule.chunk_bounds`). Module and parameter names are the
 checkpoint's own: the subtree under `model.language_model` is `TextModel`'s params as it is.
 
-Image soft tokens (from the vision tower, after embed_vision) replace the embeddings of the
-image-token placeholders: each batch row reads its own `vision_embeds[b]` from a running
-index `image_idx[b]` that the step advances by the number of image tokens it consumed.
+Soft tokens replace the embeddings of the placeholders: an image's or a video frame's (from the
+vision tower, after embed_vision) and an audio clip's (from the audio tower, after
+embed_audio), one stream in order of appearance: each batch row reads its own
+`vision_embeds[b]` from a running index `image_idx[b]` that the step advances by the number of
+placeholders it consumed. Image and video runs may attend both ways (`bidirectional_vision`);
+audio runs are causal, as transformers masks them (its `mm_token_type_ids` mark audio 3, and
+only 1 and 2, image and video, open a bidirectional block).
 """
 
 from functools import partial
@@ -53,10 +57,29 @@ def vision_runs(is_vision, positions, cache_group=None):
     return jnp.where(is_vision, ids, -1).astype(jnp.int32)
 
 
-def merge_vision(embeds, is_image, vision_embeds, image_idx):
-    """Put each row's next image soft tokens where its image placeholders are.
+def placeholder_masks(input_ids, config):
+    """Where a step's soft tokens go: input_ids [B, S] → (placeholder [B, S] bool: image, video
+    and audio tokens, each filled from the soft-token stream; vision [B, S] bool: image and
+    video tokens only, the runs a bidirectional sliding mask opens)."""
+    vision = jnp.zeros(input_ids.shape, bool)
+    for token in config.vision_token_ids:
+        vision = vision | (input_ids == token)
+    if config.audio_token_id is None:
+        return vision, vision
+    return vision | (input_ids == config.audio_token_id), vision
 
-    embeds: [B, S, D]; is_image: [B, S] bool (valid image placeholders); vision_embeds:
+
+def embedding_ids(input_ids, placeholder, pad_token_id):
+    """The ids the token and per-layer embeddings read: [B, S], every placeholder as the pad
+    token (transformers embeds them so: the soft tokens then replace the token embedding, while
+    the per-layer input of an image, video or audio position stays the pad token's)."""
+    return jnp.where(placeholder, pad_token_id, input_ids)
+
+
+def merge_vision(embeds, is_image, vision_embeds, image_idx):
+    """Put each row's next soft tokens where its placeholders are.
+
+    embeds: [B, S, D]; is_image: [B, S] bool (valid placeholders); vision_embeds:
     [B, V, D]; image_idx: [B, 1] int, row b's next unread soft token → (merged [B, S, D],
     image_idx_output [B, 1] = image_idx + placeholders consumed).
     """
@@ -232,9 +255,10 @@ class TextModel(nn.Module):
     """Gemma4TextModel (the checkpoint's `model.language_model`), one step over the cache.
 
     __call__(input_ids [B, S], positions [B, S] (−1 = padding), cache (see
-    `ref.gemma4.kv_cache.init_cache`), vision_embeds [B, V, D] or None, image_idx [B, 1] or
-    None, attention, slots: None, or [B] int (continuous batching: "k" and "v" hold F ≥ B
-    slots and row b reads and writes slot slots[b] only, −1 = none; the cache's other arrays
+    `ref.gemma4.kv_cache.init_cache`), vision_embeds [B, V, D] (the soft tokens of the row's
+    image, video and audio placeholders, in order) or None, image_idx [B, 1] or None,
+    attention, slots: None, or [B] int (continuous batching: "k" and "v" hold F ≥ B slots and
+    row b reads and writes slot slots[b] only, −1 = none; the cache's other arrays
     are the step's B rows), key_len: None, or a compute context length K (an int or an
     exporter's symbol, above every position of the step): layers that read the cache by
     position attend to its first K slots only (`linear_memory`); a sliding ring reads its W
@@ -254,22 +278,20 @@ class TextModel(nn.Module):
         key_len=None,
     ):  # fmt: skip
         c = self.config
-        # image and video tokens alike: both take soft tokens from vision_embeds, in order
-        placeholder = jnp.zeros(input_ids.shape, bool)
-        for token in c.vision_token_ids:
-            placeholder = placeholder | (input_ids == token)
-        # as transformers: placeholders embed (and per-layer-embed) as the pad token
-        ids = jnp.where(placeholder, c.pad_token_id, input_ids)
+        # image, video and audio tokens alike take soft tokens from vision_embeds, in order
+        placeholder, vision = placeholder_masks(input_ids, c)
+        ids = embedding_ids(input_ids, placeholder, c.pad_token_id)
         x = Embedding(c.vocab_size, c.hidden_size, c.hidden_size**0.5, name="embed_tokens")(ids)
         # decode steps (no vision_embeds) merge nothing and open no vision run
-        is_image = jnp.zeros(input_ids.shape, bool)
+        is_vision = jnp.zeros(input_ids.shape, bool)
         image_idx_out = None
         if vision_embeds is not None:
-            is_image = placeholder & (positions >= 0)
-            x, image_idx_out = merge_vision(x, is_image, vision_embeds, image_idx)
+            valid = positions >= 0
+            x, image_idx_out = merge_vision(x, placeholder & valid, vision_embeds, image_idx)
+            is_vision = vision & valid
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
-        groups = vision_runs(is_image, positions, cache.get("group"))
+        groups = vision_runs(is_vision, positions, cache.get("group"))
         cache, full, full_write = linear_memory(cache, positions, groups, slots, key_len)
         sliding, sliding_write = full, full_write
         if uses_ring(c, cache):

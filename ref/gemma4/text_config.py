@@ -56,6 +56,7 @@ class TextConfig:
     pad_token_id: int = 0
     image_token_id: int | None = None
     video_token_id: int | None = None
+    audio_token_id: int | None = None
 
     @property
     def vision_token_ids(self):
@@ -81,8 +82,8 @@ class TextConfig:
 
     @classmethod
     def from_hf(cls, config):
-        """From a Gemma4TextConfig dict, or a full Gemma4Config dict (adds the image and video
-        tokens)."""
+        """From a Gemma4TextConfig dict, or a full Gemma4Config dict (adds the image, video and
+        audio tokens)."""
         if not isinstance(config, dict):
             raise ValueError(f"expected a Gemma 4 config dict, got {type(config).__name__}")
         text = config.get("text_config", config)
@@ -92,10 +93,9 @@ class TextConfig:
                 "(expected text_config.hidden_size or hidden_size)"
             )
         full = text is not config
-        image, video = (
-            config.get(f) if full else None for f in ("image_token_id", "video_token_id")
-        )
-        return cls(**_resolve(text), image_token_id=image, video_token_id=video)
+        names = ("image_token_id", "video_token_id", "audio_token_id")
+        tokens = {f: config.get(f) if full else None for f in names}
+        return cls(**_resolve(text), **tokens)
 
 
 def _resolve(text):
