@@ -1,6 +1,6 @@
 """`AudioTower`: the packed Gemma 4 audio tower with its parameters, and its jit-compiled forward.
 
-tower = AudioTower.from_params(hf_config, checkpoint_tree)
+tower = AudioTower.from_params(hf_config, checkpoint_tree)   # or .from_pretrained(model_dir)
 tokens, counts = tower.encode(features, masks)    # [Σ counts, output_proj_dims], per-clip counts
 embeds, counts = tower.embed(features, masks)     # the same after embed_audio
 embeds, counts = tower.encode_waveforms(waveforms, embed=True)   # from 16 kHz samples
@@ -10,10 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ref import sharding
 from ref.gemma4.audio import AudioModel, EmbedAudio
 from ref.gemma4.audio_config import AudioConfig
 from ref.gemma4.audio_features import log_mel
 from ref.gemma4.audio_packing import clip_frames, pack, pack_frames
+from ref.gemma4.tower import checkpoint_loader
+
+AUDIO = "model.audio_tower."
 
 
 def audio_apply(params, embed_params, frames, index, *, config, keep_states=True):
@@ -51,18 +55,30 @@ def split_tree(params):
 class AudioTower:
     """The packed Gemma 4 audio tower with its parameters, ready to encode clips."""
 
-    def __init__(self, config, params, embed_params=None, dtype=jnp.float32):
+    def __init__(self, config, params, embed_params=None, dtype=jnp.float32, mesh=None):
+        """mesh: None (one device) or a `jax.sharding.Mesh` the parameters are put on by
+        `ref.sharding.RULES`, each device's blocks read from the leaves alone (as
+        `VisionTower`)."""
+        mesh = sharding.auto_axes(mesh)
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        cast = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, self.dtype), tree)
-        self.params = cast(params)
-        self.embed_params = None if embed_params is None else cast(embed_params)
+        self.params = sharding.put(params, self.dtype, mesh, AUDIO)
+        self.embed_params = None
+        if embed_params is not None:
+            self.embed_params = sharding.put(embed_params, self.dtype, mesh, "model.embed_audio.")
 
     @classmethod
-    def from_params(cls, hf_config, params, dtype=jnp.float32):
+    def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
         """From an HF config dict and a checkpoint tree (tower-only or full model)."""
         tower, embed = split_tree(params)
-        return cls(AudioConfig.from_hf(hf_config), tower, embed, dtype)
+        return cls(AudioConfig.from_hf(hf_config), tower, embed, dtype, mesh)
+
+    @classmethod
+    def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None):
+        """From an HF model folder (config.json + safetensors with `model.audio_tower.*`), read
+        by the `weights` package; with a mesh, each device reads only its blocks."""
+        hf_config, params = checkpoint_loader()(model_dir, lazy=mesh is not None)
+        return cls.from_params(hf_config, params, dtype, mesh)
 
     def pack(self, features, masks=None, *, frame_budget=None, max_clips=None):
         """(AudioPacking, packed frames [N, 128]) of per-clip features [T_i, 128] and masks
@@ -112,8 +128,9 @@ class AudioTower:
             "embeds", features, masks, frame_budget=frame_budget, max_clips=max_clips
         )
 
-    def encode_waveforms(self, waveforms, *, embed=False):
-        """`encode` (or `embed`) of 16 kHz clips, each [n] float samples, 1 ≤ n ≤ 480,000."""
-        pairs = [log_mel(w, f"waveforms[{i}]") for i, w in enumerate(waveforms)]
+    def encode_waveforms(self, waveforms, *, embed=False, name="waveforms"):
+        """`encode` (or `embed`) of 16 kHz clips, each [n] float samples, 1 ≤ n ≤ 480,000
+        (`name[i]` in errors)."""
+        pairs = [log_mel(w, f"{name}[{i}]") for i, w in enumerate(waveforms)]
         run = self.embed if embed else self.encode
         return run([f for f, _ in pairs], [m for _, m in pairs])
