@@ -64,7 +64,7 @@ def _photo_prompt(args, runner):
             prompt = chat.render(template, [message], specials)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
-        ids, patches, grids = prompt_inputs(
+        ids, patches, grids, _ = prompt_inputs(
             prompt if prompt is not None else args.prompt_ids[0],
             [read_image(p) for p in args.image],
             videos,

@@ -1,8 +1,15 @@
-"""`Gemma4`: the vision-language model end to end — images through the packed vision tower,
-chunked prefill of the prompt, greedy decode — with a blocked-attention mode per phase.
+"""`Gemma4`: the multimodal model end to end — images through the packed vision tower, audio
+through the packed audio tower, chunked prefill of the prompt, greedy decode — with a
+blocked-attention mode per phase.
 
 The chunk schedule is host-side numpy; every step is `ref.gemma4.step.step` on fixed shapes
 ([B, S] prefill chunks, [B, 1] decode tokens), the same step a compiled graph runs.
+
+Audio enters the step as vision does: a clip's soft tokens (after embed_audio) are rows of the
+step's `vision_embeds`, one stream per batch row with its images' and video frames' in order of
+appearance, read at the placeholders by the running `image_idx`. Only the mask tells them apart:
+audio runs are causal (never a bidirectional vision run), so a chunk may cut one (the running
+index carries on in the next chunk), and the schedule keeps only vision runs whole.
 """
 
 import copy
@@ -16,9 +23,10 @@ from ref import moe_modes, sharding, validate
 from ref.attention import blocked, reference
 from ref.blocking import BlockingConfig, for_phase
 from ref.gemma4 import decoding, speculative
+from ref.gemma4.audio_tower import AudioTower
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.multimodal import prompt_inputs
+from ref.gemma4.multimodal import prompt_inputs, soft_rows
 from ref.gemma4.params import TEXT
 from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
@@ -64,6 +72,8 @@ class Gemma4:
     text_config: TextConfig; text_params: the checkpoint's `model.language_model` tree;
     lm_head: [V, D] or None (tied to the token embedding); vision: an object with
     `embed(patches, grids)` → list of [h·w/k², text_hidden] (a `ref.gemma4.VisionTower`);
+    audio: an object with `encode_waveforms(waveforms, embed=True, name=…)` → ([Σ n_i,
+    text_hidden], per-clip counts n_i) (a `ref.gemma4.audio_tower.AudioTower`);
     mesh: None (one device) or a `jax.sharding.Mesh` the parameters and the KV cache are split
     over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`), with
     any axis names; an explicit-axis mesh (`jax.make_mesh`'s default) is used with Auto axes
@@ -82,6 +92,7 @@ class Gemma4:
         mesh=None,
         stop=(),
         pad=0,
+        audio=None,
     ):
         self.config = text_config
         self.stop, self.pad = tuple(stop), int(pad)
@@ -93,6 +104,7 @@ class Gemma4:
             None if lm_head is None else sharding.put(lm_head, dtype, mesh, "lm_head.weight")
         )
         self.vision = vision
+        self.audio = audio
         self.step_fn = None
 
     def with_step(self, step_fn, vision=None):
@@ -110,7 +122,8 @@ class Gemma4:
     @classmethod
     def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None, generation_config=None):
         """From an HF config dict and a checkpoint tree (`model.language_model.…`, optional
-        `lm_head.weight`, and `model.vision_tower`/`model.embed_vision` for images); mesh: see
+        `lm_head.weight`, `model.vision_tower`/`model.embed_vision` for images, and
+        `model.audio_tower`/`model.embed_audio` where the config has an `audio_config`); mesh: see
         the class; generation_config: the checkpoint's generation_config.json as a dict (its
         stop and pad ids; None: config.json's)."""
         model = params.get("model", {})
@@ -123,12 +136,15 @@ class Gemma4:
         vision = None
         if "vision_tower" in model and "embed_vision" in model:
             vision = VisionTower.from_params(hf_config, params, dtype, mesh)
+        audio = None
+        if hf_config.get("audio_config") is not None:
+            audio = AudioTower.from_params(hf_config, params, dtype, mesh)
         lm_head = params.get("lm_head", {}).get("weight")
         config = TextConfig.from_hf(hf_config)
         stop = decoding.stop_ids(generation_config, hf_config)
         pad = decoding.pad_id(generation_config, hf_config)
         tokens = prompt_tokens(hf_config)
-        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad)
+        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None, generation_config=None):
@@ -139,20 +155,33 @@ class Gemma4:
         hf_config, params = checkpoint_loader()(model_dir, lazy=mesh is not None)
         return cls.from_params(hf_config, params, dtype, mesh, generation_config)
 
-    def generate(self, input_ids, patches=None, grids=None, **options):
+    def generate(self, input_ids, patches=None, grids=None, *, audios=(), **options):
         """Generation → [B, N] int token ids, N ≤ max_new_tokens (see `generate_embedded`).
 
-        input_ids: [B, L], each image already a run of image tokens; patches/grids: the
-        images in order of appearance, row by row, as `VisionTower.embed` takes them;
-        options: those of `generate_embedded` (max_new_tokens, chunk_size, prefill_blocking,
-        decode_blocking, lengths, sliding_ring, stop, pad, sampling, moe_prefill, moe_decode).
+        input_ids: [B, L], each image already a run of image tokens and each audio clip a run
+        of audio tokens; patches/grids: the images in order of appearance, row by row, as
+        `VisionTower.embed` takes them; audios: the clips in order of appearance, row by row,
+        each [n] float samples at 16 kHz, 1 ≤ n ≤ 480,000; options: those of
+        `generate_embedded` (max_new_tokens, chunk_size, prefill_blocking, decode_blocking,
+        lengths, sliding_ring, stop, pad, sampling, moe_prefill, moe_decode).
         """
         images = []
         if grids:
             if self.vision is None:
                 raise ValueError("images given but the model has no vision tower")
             images = self.vision.embed(patches, grids)
-        return self.generate_embedded(input_ids, images, **options)
+        return self.generate_embedded(input_ids, images, audio=self._embed_audio(audios),
+                                      **options)  # fmt: skip
+
+    def _embed_audio(self, audios):
+        """Each clip's soft tokens after embed_audio: list of [n_i, text_hidden]."""
+        if not len(audios):
+            return []
+        if self.audio is None:
+            raise ValueError(f"{len(audios)} audio clips given but the model has no audio tower")
+        embeds, counts = self.audio.encode_waveforms(audios, embed=True, name="audios")
+        cu = np.cumsum([0, *counts])
+        return [embeds[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
     def generate_from(
         self,
@@ -160,30 +189,37 @@ class Gemma4:
         images=(),
         *,
         videos=(),
+        audios=(),
         max_soft_tokens=280,
         video_soft_tokens=VIDEO_SOFT_TOKENS,
         num_frames=VIDEO_FRAMES,
         tokenize=None,
         **options,
     ):
-        """Generation for one prompt with images and videos as pixels → [N] int ids, N ≤
-        max_new_tokens (the last a stop id when N < max_new_tokens).
+        """Generation for one prompt with images and videos as pixels and audio as samples → [N]
+        int ids, N ≤ max_new_tokens (the last a stop id when N < max_new_tokens).
 
-        prompt: text with one `self.tokens.image_token` per image and one `video_token` per
-        video (tokenize(str) → ids needed; the text is expanded first, then tokenized, as
-        Gemma4Processor does), or token ids with one image/video token id per item; images:
+        prompt: text with one `self.tokens.image_token` per image, one `video_token` per video
+        and one `audio_token` per audio clip, in any order (tokenize(str) → ids needed; the text
+        is expanded first, then tokenized, as Gemma4Processor does), or token ids with one
+        image/video/audio token id per item; images:
         [H, W, 3|4] or [H, W] uint8, resized into `max_soft_tokens` each as Gemma 4's image
         processor does; videos: [T, H, W, 3] uint8 frames or (frames, fps) pairs, `num_frames`
         kept of each, resized into `video_soft_tokens` as its video processor does (see
-        `ref.gemma4.multimodal.prompt_inputs`); options: those of `generate_embedded`.
+        `ref.gemma4.multimodal.prompt_inputs`); audios: [n] float samples at 16 kHz each, 1 ≤ n
+        ≤ 480,000 (30 s), expanded to their soft-token counts; options: those of
+        `generate_embedded`.
         """
         if (len(images) or len(videos)) and self.vision is None:
             raise ValueError("images or videos given but the model has no vision tower")
+        if len(audios) and self.audio is None:
+            raise ValueError(f"{len(audios)} audio clips given but the model has no audio tower")
         c = self.vision.config if self.vision is not None else None
-        ids, patches, grids = prompt_inputs(
+        ids, patches, grids, audios = prompt_inputs(
             prompt,
             images,
             videos,
+            audios,
             patch_size=c.patch_size if c else 1,
             pooling_kernel_size=c.pooling_kernel_size if c else 1,
             tokens=self.tokens,
@@ -192,13 +228,14 @@ class Gemma4:
             video_soft_tokens=video_soft_tokens,
             num_frames=num_frames,
         )
-        return self.generate(ids[None], patches, grids, **options)[0]
+        return self.generate(ids[None], patches, grids, audios=audios, **options)[0]
 
     def generate_embedded(
         self,
         input_ids,
         images,
         *,
+        audio=(),
         max_new_tokens,
         chunk_size=None,
         prefill_blocking=None,
@@ -218,7 +255,9 @@ class Gemma4:
         first stop id (kept) and is padded after it with `pad`; N is max_new_tokens, or fewer
         when every row has stopped (transformers' `generate`).
 
-        images: list of [n_i, text_hidden] soft tokens, in order of appearance, row by row;
+        images: list of [n_i, text_hidden] soft tokens of each image run (an image or a video
+        frame), in order of appearance, row by row; audio: the same of each audio run (a clip;
+        clips of no soft tokens are skipped: they have no run);
         max_new_tokens: tokens to generate per row; chunk_size: None prefills each prompt in
         one step, else at most chunk_size tokens per step (image runs are never split, see
         `chunk_bounds`); prefill_blocking, decode_blocking: None (dense), a mode name or a
@@ -249,7 +288,12 @@ class Gemma4:
         )
         rows = [ids[i, : lengths[i]] for i in range(b)]
         runs = [image_runs(r, *self.config.vision_token_ids) for r in rows]
-        vision_embeds = self._vision_rows(runs, images)
+        c = self.config
+        audio_ids = () if c.audio_token_id is None else (c.audio_token_id,)
+        vision_embeds = soft_rows(rows, images, audio, hidden=c.hidden_size,
+                                  vision_ids=c.vision_token_ids, audio_ids=audio_ids)  # fmt: skip
+        if vision_embeds is not None:
+            vision_embeds = jnp.asarray(vision_embeds, self.dtype)
         drafts = speculative.drafts_for(assistant, num_speculative_tokens, sampling, self)
         ctx_len = int(lengths.max()) + max_new_tokens + drafts
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
@@ -334,32 +378,6 @@ class Gemma4:
             logits = np.asarray(out["logits"][:, 0], np.float32)
             tokens.append(stopper(decoding.choose(logits, sampling, n)))
         return np.stack(tokens, axis=1)
-
-    def _vision_rows(self, runs, images):
-        """Each row's soft tokens, concatenated in order and zero-padded: [B, V, D] or None."""
-        want = sum(len(r) for r in runs)
-        if len(images) != want:
-            raise ValueError(f"{len(images)} images given, the prompts hold {want} image runs")
-        if want == 0:
-            return None
-        per_row, it = [], iter(images)
-        for i, row_runs in enumerate(runs):
-            embeds = []
-            for start, n in row_runs:
-                img = np.asarray(next(it))
-                validate.finite(f"images[{len(embeds)}] (row {i})", img)
-                if img.shape != (n, self.config.hidden_size):
-                    raise ValueError(
-                        f"row {i}: the image run at {start} has {n} tokens but its image "
-                        f"embeds to {img.shape} (expected [{n}, {self.config.hidden_size}])"
-                    )
-                embeds.append(img)
-            per_row.append(np.concatenate(embeds) if embeds else np.zeros((0, 1)))
-        size = max(len(e) for e in per_row)
-        out = np.zeros((len(runs), size, self.config.hidden_size), np.float32)
-        for i, e in enumerate(per_row):
-            out[i, : len(e)] = e
-        return jnp.asarray(out, self.dtype)
 
 
 def _lengths(lengths, batch, width):

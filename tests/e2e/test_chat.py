@@ -81,7 +81,7 @@ def test_templated_ids_are_apply_chat_templates(drawn, seed):
     rendered = chat.render(
         CHAT_TEMPLATE, [chat.user_message(text, len(photos), 0, TOKENS)], SPECIALS
     )
-    ids, _, _ = prompt_inputs(
+    ids, _, _, _ = prompt_inputs(
         rendered,
         photos,
         (),

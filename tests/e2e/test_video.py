@@ -123,7 +123,7 @@ def test_video_prompt_gives_transformers_tokens(exported, tmp_path_factory, caps
     assume(gap > MARGIN)
     ref = reference_model(out)
     sizes = dict(patch_size=PATCH, pooling_kernel_size=3, tokens=ref.tokens)
-    ids, _, grids = prompt_inputs(
+    ids, _, grids, _ = prompt_inputs(
         text, [image], videos, tokenize=tokenize, max_soft_tokens=BUDGET, num_frames=num_frames,
         **sizes,
     )  # fmt: skip
