@@ -5,9 +5,11 @@ import numpy as np
 import torch
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
+from tests.hf_audio import randomize_audio_
 from tests.hf_vision import hf_padded_inputs, patches_for, randomize_
 
 IMAGE, BOI, EOI = 4, 5, 6
+AUDIO, BOA, EOA = 8, 9, 10  # the word tokenizer's (tests/hf_processor.py), for models with audio
 FIRST_TEXT = 7  # prompt tokens are drawn from [FIRST_TEXT, vocab)
 
 VISION = {
@@ -61,24 +63,36 @@ def text_config(*, moe, layer_types, shared=0, k_eq_v=False, ple=16, softcap=30.
     )
 
 
-def hf_model(text, seed, video_token_id=None, **vision):
+def hf_model(text, seed, video_token_id=None, audio=None, **vision):
     """A randomized float32 eager Gemma4ForConditionalGeneration with a tiny vision tower
     (VISION, updated by `vision`); video_token_id: None keeps Gemma4Config's (past any tiny
-    vocabulary)."""
-    videos = {} if video_token_id is None else {"video_token_id": video_token_id}
+    vocabulary); audio: None (no audio tower), or Gemma4AudioConfig kwargs: an audio tower and
+    embed_audio too (randomized by `randomize_audio_`), its tokens AUDIO, BOA, EOA."""
+    tokens = {} if video_token_id is None else {"video_token_id": video_token_id}
+    if audio is not None:
+        tokens |= dict(audio_config=audio, audio_token_id=AUDIO, boa_token_id=BOA)
+        tokens["eoa_token_index"] = EOA  # Gemma4Config's name for it
     config = Gemma4Config(
         text_config=text,
         vision_config={**VISION, **vision},
         image_token_id=IMAGE,
         boi_token_id=BOI,
         eoi_token_id=EOI,
-        **videos,
+        **tokens,
     )
-    config._attn_implementation = "eager"
-    config.text_config._attn_implementation = "eager"
-    config.vision_config._attn_implementation = "eager"
+    for part in (config, config.text_config, config.vision_config, config.audio_config):
+        if part is not None:
+            part._attn_implementation = "eager"
     torch.manual_seed(seed)
-    return randomize_(Gemma4ForConditionalGeneration(config).eval(), seed)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    if audio is None:
+        return randomize_(model, seed)
+    m = model.model
+    for i, part in enumerate((m.language_model, m.vision_tower, m.embed_vision)):
+        randomize_(part, seed + i)
+    randomize_audio_(m.audio_tower, seed + 3)
+    randomize_audio_(m.embed_audio, seed + 4)
+    return model
 
 
 def prompt(rng, length, images, vocab):
