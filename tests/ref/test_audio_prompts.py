@@ -26,7 +26,7 @@ from ref.gemma4.audio_features import MAX_SAMPLES, num_soft_tokens
 from ref.gemma4.audio_tower import AudioTower
 from ref.gemma4.images import num_soft_tokens as image_soft_tokens
 from ref.gemma4.images import preprocess
-from ref.gemma4.multimodal import prompt_inputs
+from ref.gemma4.multimodal import prompt_inputs, soft_rows
 from ref.gemma4.prompts import PromptTokens, expand_prompt
 from ref.gemma4.step import apply_step
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
@@ -132,6 +132,23 @@ def test_ids_equal_the_processors(kinds, samples, words, seed):
     got, _, grids, audios = prompt_inputs(prompt, images, (), clips, tokenize=tokenize, **sizes)
     assert got.tolist() == want and len(grids) == len(images)
     assert [len(a) for a in audios] == [len(c) for c in clips]
+
+
+def test_soft_rows_keep_each_row_s_runs_in_order_of_appearance():
+    """Two rows, image and audio runs interleaved differently, a clip of no soft tokens among
+    them: each row's stream is its runs' soft tokens in its order, zero-padded to the longest."""
+    rows = [
+        [20, IMAGE, IMAGE, 20, AUDIO, 20, IMAGE],
+        [AUDIO, AUDIO, AUDIO, 20, IMAGE, AUDIO, AUDIO],
+    ]
+    images = [np.full((n, 3), 10.0 + i) for i, n in enumerate([2, 1, 1])]
+    audio = [np.full((n, 3), 20.0 + i) for i, n in enumerate([1, 3, 0, 2])]
+    ids = dict(hidden=3, vision_ids=(IMAGE, 7), audio_ids=(AUDIO,))
+    out = soft_rows(rows, images, audio, **ids)
+    assert out[0, :, 0].tolist() == [10, 10, 20, 11, 0, 0]
+    assert out[1, :, 0].tolist() == [21, 21, 21, 12, 23, 23]
+    with pytest.raises(ValueError, match="2 audio clips given, the prompts hold 1 audio runs"):
+        soft_rows(rows[:1], images[:2], audio[:2], **ids)
 
 
 # --- generation ----------------------------------------------------------------------------
