@@ -111,7 +111,7 @@ def reference_model(folder):
 
 
 @settings(
-    max_examples=examples(3),
+    max_examples=examples(2),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

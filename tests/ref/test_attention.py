@@ -151,7 +151,7 @@ def test_blocked_equals_reference(case, dtype, scenario, vision, seed):
     assert rel_err(got, want) <= TOL[dtype], (mode, opts)
 
 
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(10))
 @given(cases(), st.integers(0, 3), st.integers(0, 2**32 - 1))
 def test_cache_rows_read_the_batch_slots(case, spare, seed):
     """Continuous batching: k, v hold F = B + spare cache slots and row b attends to slot
@@ -787,7 +787,7 @@ def prefill_cases(draw):
     return dict(b=b, h=hkv * g, hkv=hkv, s=s, t=t, d=4), opts
 
 
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(7))
 @given(prefill_cases(), st.booleans(), st.integers(0, 2**32 - 1))
 def test_prefill_heads_together_equal_the_plans_head_by_head_schedule(case, vision, seed):
     """Prefill modes run every kv head of a tile in one matmul (`_executed_heads`, as

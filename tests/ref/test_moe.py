@@ -108,7 +108,7 @@ def _run(mode, x, gate_up, down, weights, index):
 
 
 @pytest.mark.parametrize("name", MODES)
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(7))
 @given(problem=problems())
 def test_mode_equals_dense_and_the_oracle_float64(name, problem):
     x, (gate_up, down), (proj, scale, per_expert), top_k, num_nsp, chunk = problem
@@ -150,7 +150,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("name", MODES)
-@settings(max_examples=examples(10))
+@settings(max_examples=examples(7))
 @given(problem=routings())
 def test_mode_on_drawn_routings_equals_the_oracle(name, problem):
     x, gate_up, down, weights, picks, num_nsp, chunk = problem

@@ -411,7 +411,7 @@ def test_unknown_blocking_mode_is_refused():
         attention_for("online", prefill=False, batch=1, queries=1, ctx_len=8)
 
 
-@settings(max_examples=examples(3))
+@settings(max_examples=examples(2))
 @given(text_setups(), st.integers(0, 2**31 - 1), st.sampled_from([1, 3, 5]), st.booleans())
 def test_chunked_prefill_equals_whole_prefill_float64(text, seed, chunk, ring):
     """Prefill in chunks (2 rows, different prompts, padding columns on either side, sliding

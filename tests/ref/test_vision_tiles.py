@@ -44,7 +44,7 @@ def problems(draw):
     return q, k, v, np.asarray(ids, np.int32), tiles
 
 
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(20))
 @given(problems())
 def test_tiled_attention_equals_per_segment_oracle(problem):
     q, k, v, ids, tiles = problem
