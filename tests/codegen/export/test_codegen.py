@@ -90,8 +90,9 @@ def test_default_export_writes_and_verifies_every_mode(exported):
         ("decode", "decode"),
     }
     assert max(r[4] for r in rows) < 1e-5
-    # checking some specializations gives their rows of the whole check, inputs unchanged
-    chosen = {"vision_140", "prefill_70"}
+    # checking some specializations gives their rows of the whole check, inputs unchanged (a
+    # graph with none of them chosen, vision here, is left out)
+    chosen = {"prefill_70"}
     some = verify(out, seed=1, graphs=["vision", "prefill"], specializations=sorted(chosen))
     assert some == [r for r in rows if r[1] in chosen]
 
