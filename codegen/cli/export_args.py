@@ -60,6 +60,19 @@ def _source_and_vision(e):
         "empty: no vision graph)",
     )
     e.add_argument(
+        "--audio-budgets",
+        type=arguments.int_list,
+        help="audio soft-token budgets (40 ms and 4 log-mel frames each, at most 750 = 30 s), "
+        "one specialization of the audio graph each; exported only for a checkpoint with an "
+        "audio tower (default "
+        f"{','.join(map(str, D['audio_budgets']))}; empty: no audio graph)",
+    )
+    e.add_argument(
+        "--audio-clips",
+        type=int,
+        help=f"the most clips one audio call packs (default {D['audio_clips']})",
+    )
+    e.add_argument(
         "--vision-tiles",
         type=arguments.tiles,
         metavar="QxKV",

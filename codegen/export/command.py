@@ -29,6 +29,7 @@ from codegen.export.specs import graph_specs
 from codegen.folder import external, hashcache, paired
 from codegen.folder.manifest import FORMAT, MANIFEST, Manifest, Shard
 from codegen.folder.sessions import atomic_text, publish
+from codegen.graphs import audio as audio_graph
 from codegen.graphs import vision as vision_graph
 from codegen.lower.ops import OPSET
 from ref.blocking import VISION_TILES
@@ -56,6 +57,8 @@ class ExportOptions:
     model: Path | None = None
     budgets: tuple = DEFAULT_BUDGETS
     vision_tiles: tuple = VISION_TILES  # (query tiles, KV tiles) of its attention
+    audio_budgets: tuple = EXPORT_DEFAULTS["audio_budgets"]  # with an audio tower
+    audio_clips: int = EXPORT_DEFAULTS["audio_clips"]
     graphs: tuple = ("model",)  # "model" (vision, prefill, decode) and/or "attention"
     prefill_blocking: tuple = ("none", {})  # (mode, {option: value})
     decode_blocking: tuple = ("none", {})
@@ -156,6 +159,7 @@ class ExportOptions:
             raise ExportError(f"--graphs {list(self.graphs)}: expected 'model' and/or 'attention'")
         try:
             vision_graph.check_budgets(self.budgets, None)
+            audio_graph.check_audio_budgets(self.audio_budgets, self.audio_clips)
         except graphs.GraphError as e:
             raise ExportError(str(e)) from e
         self.ccl_lists()
@@ -311,6 +315,7 @@ def _options_json(opts):
     d["assistant"] = None if opts.assistant is None else str(opts.assistant)
     d["budgets"] = list(opts.budgets)
     d["vision_tiles"] = list(opts.vision_tiles)
+    d["audio_budgets"] = list(opts.audio_budgets)
     d["blocking"] = [[m, dict(o)] for m, o in opts.blocking]
     d["graphs"] = list(opts.graphs)
     d["phases"] = list(opts.phases)

@@ -10,6 +10,10 @@ EXPORT_DEFAULTS = {
     "num_cores": 16,
     "num_devices": 1,
     "hw_version": "ai100",
+    # the audio graph (`codegen.graphs.audio`, exported when the checkpoint has an audio tower):
+    # soft tokens per call (4 log-mel frames each, 40 ms: ≈ 7.5 s and 30 s), clips per call
+    "audio_budgets": (188, 750),
+    "audio_clips": 4,
 }
 
 

@@ -5,6 +5,7 @@ from codegen import graphs
 from codegen.export.options import ExportError
 from codegen.folder import paired
 from codegen.graphs import attention as attention_graph
+from codegen.graphs import audio as audio_graph
 from codegen.graphs import decoder, kinds
 from codegen.graphs import model as model_graphs
 from codegen.graphs import vision as vision_graph
@@ -24,7 +25,8 @@ def _speculate(decode, shared, opts, cfg):
 
 def graph_specs(checkpoint, opts):
     """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
-    checkpoint has one), then the language model's prefill and decode graphs (`--graphs
+    checkpoint has one), the audio tower and embed_audio (when it has an audio_config and
+    their tensors), then the language model's prefill and decode graphs (`--graphs
     model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     shared = {"batch_size": opts.batch_size, "seq_len": opts.seq_len, "ctx_len": opts.ctx_len}
@@ -43,6 +45,10 @@ def graph_specs(checkpoint, opts):
         vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
         asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}
         specs.append(build("vision", "vision", asked))
+    # the audio tower, like vision, on the prefill side; its soft tokens ride vision_embeds
+    if opts.audio_budgets and wants_vision and audio_graph.has_audio(checkpoint.config, shapes):
+        asked = {"budgets": list(opts.audio_budgets), "clips": opts.audio_clips}
+        specs.append(build("audio", "audio", asked))
     if language:
         # both sides hold the cache as the decode graph reads it (the retained state)
         folded = model_graphs.folds_cache(

@@ -75,6 +75,18 @@ def layer_check(hook):
         _CHECK.reset(token)
 
 
+def eager_reference(plain, inputs, outputs, weights):
+    """A GraphSpec's `reference` for a graph of one output: `plain(*inputs, *weights)` (the
+    traceable function, layers inlined) on the feed and float32 weights → {output: numpy}."""
+
+    def reference(feed, values):
+        args = [feed[t.name] for t in inputs]
+        out = plain(*args, *(jax.numpy.asarray(values[n], np.float32) for n in weights))
+        return {outputs[0].name: np.asarray(out[0])}
+
+    return reference
+
+
 class GraphError(ValueError):
     """A graph cannot be built from this checkpoint with these options."""
 

@@ -7,6 +7,7 @@ older export did not record get their old meaning when its manifest is read
 """
 
 from codegen.graphs import attention as attention_graph
+from codegen.graphs import audio as audio_graph
 from codegen.graphs import model as model_graphs
 from codegen.graphs import speculate as speculate_graph
 from codegen.graphs import vision as vision_graph
@@ -15,6 +16,12 @@ from codegen.graphs import vision as vision_graph
 def _vision(config, shapes, name, o, use_functions):
     return vision_graph.vision_graph(
         config, shapes, o["budgets"], use_functions=use_functions, tiles=tuple(o["tiles"])
+    )
+
+
+def _audio(config, shapes, name, o, use_functions):
+    return audio_graph.audio_graph(
+        config, shapes, tuple(o["budgets"]), o["clips"], use_functions=use_functions
     )
 
 
@@ -52,6 +59,7 @@ def _attention(config, shapes, name, o, use_functions):
 # kind → builder(checkpoint config, {tensor: shape}, graph name, options, use_functions)
 BUILDERS = {
     "vision": _vision,
+    "audio": _audio,
     "prefill": _language,
     "decode": _language,
     "speculate": _speculate,

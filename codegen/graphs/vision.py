@@ -2,10 +2,9 @@
 `num_patches` patches pooled to `vision_size` soft tokens, one specialization per budget."""
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
 
-from codegen.graphs import GraphError, GraphSpec, Tensor, route_layers
+from codegen.graphs import GraphError, GraphSpec, Tensor, eager_reference, route_layers
 from ref.blocking import VISION_TILES
 from ref.gemma4 import vision as V
 from ref.gemma4.config import VisionConfig
@@ -147,11 +146,6 @@ def vision_graph(
     fn = _vision_forward(cfg, prefix, names, use_functions, embed, tiles=tiles)
     plain = _vision_forward(cfg, prefix, names, False, embed, tiles=tiles, per_item=True)
 
-    def reference(feed, weights):
-        args = [feed[t.name] for t in inputs]
-        out = plain(*args, *(jnp.asarray(weights[n], jnp.float32) for n in names))
-        return {outputs[0].name: np.asarray(out[0])}
-
     return GraphSpec(
         name="vision",
         kind="vision",
@@ -160,7 +154,7 @@ def vision_graph(
         outputs=outputs,
         weights=names,
         fn=fn,
-        reference=reference,
+        reference=eager_reference(plain, inputs, outputs, names),
         sample=_vision_sample(cfg),
         specializations=specs,
     )

@@ -55,14 +55,22 @@ def subsample(x, taps, weight, norm_weight, eps):
     x: [N, F, Cin]; taps: [R, 3] int (N reads zeros); weight: [Cout, Cin, 3, 3] → [R, ⌈F/2⌉, Cout].
     """
     rows = gather_rows(x, taps)  # [R, 3, F, Cin]: a height-3 image per output row
-    y = lax.conv_general_dilated(
-        rows,
-        weight.astype(x.dtype),
-        window_strides=(1, 2),
-        padding=((0, 0), (1, 1)),
-        dimension_numbers=("NHWC", "OIHW", "NHWC"),
-    )
-    return jax.nn.relu(layer_norm(y[:, 0], norm_weight, eps))
+    r, _, f, cin = rows.shape
+    out = -(-f // 2)
+    # the convolution as one matmul over its 3 × 3 taps (ONNX Conv and Pad are not on the
+    # QAIC allow-list): output mel j reads mel 2j − 1, 2j, 2j + 1, zero outside [0, F)
+    mel = 2 * np.arange(out)[None, :] + np.arange(-1, 2)[:, None]  # [3, F']
+    inside = jnp.asarray(((mel >= 0) & (mel < f))[:, :, None])
+    taps_mel = jnp.where(inside, rows[:, :, np.clip(mel, 0, f - 1)], jnp.zeros((), rows.dtype))
+    patches = taps_mel.transpose(0, 3, 1, 2, 4).reshape(r, out, 9 * cin)  # (time, mel, Cin)
+    w = weight.astype(x.dtype).transpose(2, 3, 1, 0).reshape(9 * cin, -1)  # (time, mel, Cin)
+    return jnp.maximum(layer_norm(jnp.matmul(patches, w), norm_weight, eps), 0)
+
+
+def softplus(x):
+    """log(1 + eˣ) written as max(x, 0) + log(1 + e^−|x|): ONNX Softplus is not on the QAIC
+    allow-list (float32 within 1 ulp of `jax.nn.softplus` where |x| < 10)."""
+    return jnp.maximum(x, 0) + jnp.log(1 + jnp.exp(-jnp.abs(x)))
 
 
 def clamp(x, bound):
@@ -76,7 +84,8 @@ def causal_depthwise(x, taps, weight):
 
     x: [M, D]; taps: [M, K] int (M reads zeros); weight: [D, 1, K] → [M, D].
     """
-    return jnp.einsum("mkd,dk->md", gather_rows(x, taps), weight[:, 0, :].astype(x.dtype))
+    taps_w = jnp.transpose(weight[:, 0, :]).astype(x.dtype)  # [K, D]
+    return jnp.sum(gather_rows(x, taps) * taps_w, axis=1)  # not einsum: off the QAIC allow-list
 
 
 def relative_embeddings(config, dtype):
@@ -186,7 +195,7 @@ class Attention(nn.Module):
 
         per_dim_scale = self.param("per_dim_scale", nn.initializers.zeros, (hd,))
         q_scale = jnp.asarray(hd**-0.5 / math.log(2), x.dtype)
-        q = project("q_proj") * q_scale * jax.nn.softplus(per_dim_scale.astype(x.dtype))
+        q = project("q_proj") * q_scale * softplus(per_dim_scale.astype(x.dtype))
         k = project("k_proj") * jnp.asarray(math.log(1 + math.e) / math.log(2), x.dtype)
         table = relative_embeddings(c, x.dtype)
         rel_k = linear(table, Weight((c.hidden_size, c.hidden_size), name="relative_k_proj")())

@@ -25,9 +25,14 @@ import numpy as np
 
 
 def gather_rows(x, index):
-    """x with one zero row appended, gathered: x [N, ...]; index [...] int in [0, N] (N reads
-    zeros) → [..., ...]."""
-    return jnp.concatenate([x, jnp.zeros((1, *x.shape[1:]), x.dtype)])[index]
+    """x gathered by row, index N reading a zero row: x [N, ...]; index [...] int in [0, N] →
+    [..., ...]. A clamped gather and a select rather than a zero row appended: in an exported
+    graph N is a specialization symbol, and jax2onnx 0.17 declares a concatenation along a
+    symbolic axis with a wrong shape (onnxruntime then fails)."""
+    n = x.shape[0]
+    rows = x[jnp.minimum(index, n - 1)]
+    inside = (index < n).reshape(*index.shape, *([1] * (x.ndim - 1)))
+    return jnp.where(inside, rows, jnp.zeros((), x.dtype))
 
 
 def window(chunk, past, future):
@@ -42,7 +47,8 @@ def rel_shift(x, context):
     """Transformer-XL's shift: [..., C, npos] → [..., C, context], slot c of row i holding column
     c − i (zero where c − i ≥ npos; c < i reads the row above: masked slots only)."""
     *lead, c, npos = x.shape
-    x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, context + 1 - npos)])
+    # zeros concatenated, not `jnp.pad`: ONNX Pad is not on the QAIC allow-list
+    x = jnp.concatenate([x, jnp.zeros((*lead, c, context + 1 - npos), x.dtype)], axis=-1)
     x = x.reshape(*lead, c * (context + 1))[..., : c * context]
     return x.reshape(*lead, c, context)
 
