@@ -10,6 +10,15 @@ from transformers import Gemma4AudioConfig
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4MultimodalEmbedder
 
+# Gemma4AudioConfig kwargs of a tiny tower (`tests.text_oracle.hf_model(audio=…)`)
+TINY_AUDIO = dict(
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    subsampling_conv_channels=[128, 4],
+    output_proj_dims=12,
+)
+
 
 def hf_audio_config(cfg):
     """A transformers Gemma4AudioConfig from our AudioConfig (eager attention)."""

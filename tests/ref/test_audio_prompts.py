@@ -29,6 +29,7 @@ from ref.gemma4.images import preprocess
 from ref.gemma4.multimodal import prompt_inputs, soft_rows
 from ref.gemma4.prompts import PromptTokens, expand_prompt
 from ref.gemma4.step import apply_step
+from tests.hf_audio import TINY_AUDIO
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.hf_vision import tree_of
 from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE, hf_model, text_config
@@ -43,13 +44,6 @@ TOKENS = PromptTokens(
     image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI, video_token_id=7,
     audio_token_id=AUDIO, boa_token_id=BOA, eoa_token_id=EOA,
 )  # fmt: skip
-TINY_AUDIO = dict(
-    hidden_size=16,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    subsampling_conv_channels=[128, 4],
-    output_proj_dims=12,
-)
 # With the randomized token embedding (N(0, 1), ×√hidden in the stream) every greedy token
 # repeats the prompt's last one whatever the audio (measured: 10 of 10, two clips swapped); at
 # ×0.03, the final norm ×1/0.03 keeping the logits' scale, the tokens follow the clips.

@@ -19,18 +19,13 @@ from codegen.folder.sessions import open_session, read_manifest
 from codegen.graphs.audio import FRAMES_PER_TOKEN
 from ref.gemma4.audio_packing import pack, pack_frames
 from ref.gemma4.audio_tower import AudioTower
+from tests.hf_audio import TINY_AUDIO
 from tests.text_oracle import hf_model, text_config
 from tests.util import examples, rel_err
 
 RTOL = 1e-5
 BUDGETS, CLIPS = (20, 50), 3
-TINY_AUDIO = dict(
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    subsampling_conv_channels=[128, 4],
-    output_proj_dims=12,
-)
+TWO_LAYERS = dict(TINY_AUDIO, num_hidden_layers=2)
 
 
 def _options(out, model, **kw):
@@ -42,7 +37,7 @@ def _options(out, model, **kw):
 def exported(tmp_path_factory):
     """(ref AudioTower, export folder, its manifest) of a randomized tiny model with audio."""
     text = text_config(moe=False, layer_types=["sliding_attention", "full_attention"], ple=8)
-    model = hf_model(text, seed=5, audio=TINY_AUDIO)
+    model = hf_model(text, seed=5, audio=TWO_LAYERS)
     folder = tmp_path_factory.mktemp("audio-model")
     model.save_pretrained(folder)
     out = tmp_path_factory.mktemp("audio-export") / "out"
