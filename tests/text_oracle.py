@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-from tests.hf_audio import randomize_audio_
+from tests.hf_audio import TINY_AUDIO, randomize_audio_
 from tests.hf_vision import hf_padded_inputs, patches_for, randomize_
 
 IMAGE, BOI, EOI = 4, 5, 6
@@ -158,3 +158,21 @@ def padded_rows(rows, pad=0):
     longest → [B, max len]."""
     width = max(len(r) for r in rows)
     return np.stack([np.pad(np.asarray(r), (0, width - len(r)), constant_values=pad) for r in rows])
+
+
+# With the randomized token embedding (N(0, 1), ×√hidden in the stream) every greedy token
+# repeats the prompt's last one whatever the audio (measured: 10 of 10, two clips swapped); at
+# ×0.03, the final norm ×1/0.03 keeping the logits' scale, the tokens follow the clips.
+EMBED_SCALE = 0.03
+
+
+def hf_audio_vlm():
+    """The tiny Gemma 4 with vision (position table 256), audio (TINY_AUDIO) and embed_audio
+    the audio prompt tests share: bidirectional vision on its sliding layers, the token
+    embedding ×EMBED_SCALE so the greedy tokens follow the clips."""
+    text = text_config(moe=False, layer_types=["sliding_attention", "full_attention"], ple=8)
+    hf = hf_model(text, 3, 7, audio=TINY_AUDIO, position_embedding_size=256)
+    with torch.no_grad():
+        hf.model.language_model.embed_tokens.weight.mul_(EMBED_SCALE)
+        hf.model.language_model.norm.weight.mul_(1 / EMBED_SCALE)
+    return hf

@@ -79,6 +79,16 @@ def _prompt_arguments(r):
     )
     _video_arguments(r)
     r.add_argument(
+        "--audio",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a WAV file (16-bit PCM, mono or stereo averaged, any rate: resampled to 16 kHz; "
+        "at most 30 s), one <|audio|> placeholder each (repeatable, in the prompt's order); "
+        "runs through the export's audio graph",
+    )
+    r.add_argument(
         "--max-soft-tokens",
         type=int,
         help="soft tokens per --image, one of the exported budgets (default: the largest "

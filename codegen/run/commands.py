@@ -14,6 +14,7 @@ import numpy as np
 from codegen.run import chat
 from codegen.run.media import read_image, read_video
 from codegen.run.runtime import Request, RunError, Runner
+from codegen.run.sound import read_wav
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.decoding import Sampling
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
@@ -45,29 +46,34 @@ def default_soft_tokens(runner):
 
 
 def _photo_prompt(args, runner):
-    """(prompt ids, items) from --image and --video files with --prompt text or placeholder
-    --prompt-ids (`ref.gemma4.multimodal.prompt_inputs`)."""
+    """(prompt ids, items, tokenizer or None, audio clips) from --image, --video and --audio
+    files with --prompt text or placeholder --prompt-ids
+    (`ref.gemma4.multimodal.prompt_inputs`)."""
     fps = list(args.video_fps)
     if fps and len(fps) != len(args.video):
         raise RunError(f"{len(fps)} --video-fps for {len(args.video)} --video: one each")
     fps += [None] * (len(args.video) - len(fps))
     videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
+    audios = [read_wav(p) for p in getattr(args, "audio", [])]
     tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
     cfg = VisionConfig.from_hf(runner.checkpoint.config)
     tokens = prompt_tokens(runner.checkpoint.config)
     prompt, specials = args.prompt, {}
     try:
         template = None if prompt is None else chat_template(getattr(args, "chat", None), runner)
+        if template is not None and audios:
+            raise RunError("--audio with the chat template is not supported yet: add --no-chat")
         if template is not None:
             specials = chat.special_tokens(runner.folder)
             message = chat.user_message(prompt, len(args.image), len(videos), tokens)
             prompt = chat.render(template, [message], specials)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
-        ids, patches, grids, _ = prompt_inputs(
+        ids, patches, grids, clips = prompt_inputs(
             prompt if prompt is not None else args.prompt_ids[0],
             [read_image(p) for p in args.image],
             videos,
+            audios,
             patch_size=cfg.patch_size,
             pooling_kernel_size=cfg.pooling_kernel_size,
             tokens=tokens,
@@ -80,7 +86,7 @@ def _photo_prompt(args, runner):
     except ValueError as e:
         raise RunError(str(e)) from e
     items = list(zip(patches, grids, strict=True))
-    return [ids], items, tokenizer if args.prompt is not None else None
+    return [ids], items, tokenizer if args.prompt is not None else None, clips
 
 
 def chat_template(asked, runner):
@@ -119,13 +125,18 @@ def _generation_options(args):
 
 
 def _inputs(args, runner):
-    """(prompt rows, images, tokenizer or None) from run's options: --image with --prompt or
-    placeholder --prompt-ids, or expanded --prompt-ids with --patches/--grid pairs."""
-    if args.image or args.video or args.prompt is not None:
+    """(prompt rows, images, tokenizer or None, audio clips) from run's options: --image,
+    --video, --audio with --prompt or placeholder --prompt-ids, or expanded --prompt-ids with
+    --patches/--grid pairs."""
+    if args.image or args.video or getattr(args, "audio", []) or args.prompt is not None:
         if args.patches or len(args.prompt_ids or []) > 1:
-            raise RunError("--image/--video/--prompt take one prompt row, without --patches")
+            raise RunError(
+                "--image/--video/--audio/--prompt take one prompt row, without --patches"
+            )
         if args.prompt is None and not args.prompt_ids:
-            raise RunError("--image/--video need --prompt TEXT or --prompt-ids with placeholders")
+            raise RunError(
+                "--image/--video/--audio need --prompt TEXT or --prompt-ids with placeholders"
+            )
         return _photo_prompt(args, runner)
     if not args.prompt_ids:
         raise RunError("give --prompt-ids (or --prompt, or --image with a prompt)")
@@ -138,7 +149,7 @@ def _inputs(args, runner):
         except (OSError, ValueError) as e:
             raise RunError(f"--patches {path}: {e}") from e
         images.append((np.asarray(patches, np.float32), grid))
-    return args.prompt_ids, images, None
+    return args.prompt_ids, images, None, []
 
 
 def main(args):
@@ -151,7 +162,7 @@ def main(args):
         args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from,
         speculate=args.speculate,
     )  # fmt: skip
-    rows, images, tokenizer = _inputs(args, runner)
+    rows, images, tokenizer, audios = _inputs(args, runner)
     quiet = getattr(args, "quiet", False)
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
@@ -163,6 +174,7 @@ def main(args):
     tokens = runner.generate(
         rows,
         images,
+        audios=audios,
         max_new_tokens=args.max_new_tokens,
         log=log,
         stop=stop,
@@ -251,7 +263,7 @@ def read_requests(path, runner, defaults=None):
             video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
             chat=item.get("chat"),
         )
-        rows, images, _ = _inputs(args, runner)
+        rows, images, _, _ = _inputs(args, runner)
         n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
         if not isinstance(arrival, int) or arrival < 0:
             raise RunError(

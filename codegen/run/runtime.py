@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from codegen.folder.sessions import open_session, read_manifest
-from codegen.run import speculation
+from codegen.run import audio, speculation
 from codegen.run.errors import RunError
 from codegen.run.slots import Request, serve, slot_column
 from codegen.run.vision import Vision
@@ -98,7 +98,7 @@ class Runner:
         self.entries = graphs
         self.sessions = {
             kind: open_session(graphs[kind], *homes[kind])
-            for kind in ("vision", "prefill", "decode", "speculate")
+            for kind in ("vision", "audio", "prefill", "decode", "speculate")
             if kind in graphs and (kind != "speculate" or speculate)
         }
         # an export with an MTP assistant: K drafts a round (0: decode one token a call)
@@ -109,7 +109,7 @@ class Runner:
         self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
         # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
         self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in self.sessions
-                     if k != "vision"}  # fmt: skip
+                     if k not in ("vision", "audio")}  # fmt: skip
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
         # the checkpoint's generation_config.json (copied into the export), else config.json
         self.generation_config = generation_config(self.folder)
@@ -117,8 +117,9 @@ class Runner:
         self.pad = decoding.pad_id(self.generation_config, self.checkpoint.config)
 
     def generate(
-        self, prompts, images=(), *, max_new_tokens, log=None, stop=None, sampling=None, emit=None
-    ):
+        self, prompts, images=(), *, audios=(), max_new_tokens, log=None, stop=None,
+        sampling=None, emit=None,
+    ):  # fmt: skip
         """Tokens [len(prompts), N]: each row ends at its first stop id (kept) and is padded
         after it with the pad id; N is max_new_tokens, or fewer once every row has stopped
         (transformers' `generate`).
@@ -126,7 +127,9 @@ class Runner:
         prompts: token-id sequences, each image already a run of image tokens (at most the
         compiled batch_size rows, or full_batch_size with continuous batching); images:
         (patches [h·w, 3·p·p] in [0, 1], (h, w)) per image run, in order of appearance, row by
-        row; stop: stop ids (None: the export's, () never stops); sampling: None (greedy) or a
+        row; audios: [n] float32 samples at 16 kHz per audio clip, in order of appearance, row
+        by row (a clip of ≤ 160 samples has no run); stop: stop ids (None: the export's, ()
+        never stops); sampling: None (greedy) or a
         `ref.gemma4.decoding.Sampling` (row r's n-th token drawn with (seed, r, n)); emit:
         called with (row, token) as each token of a running row arrives.
         """
@@ -134,6 +137,8 @@ class Runner:
         emit = emit or (lambda row, token: None)
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         self.check(rows, max_new_tokens)
+        if len(audios) and (self.slots is not None or (self.drafts and sampling is None)):
+            raise RunError("audio clips run without continuous batching or speculation (yet)")
         if self.slots is not None:
             it = iter(images)
             requests = [
@@ -158,7 +163,7 @@ class Runner:
             log("sampling: the decode graph, a token per call (speculation is greedy here)")
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
         caches = self.empty_caches("prefill")
-        caches, logits = self.prefill(rows, list(images), caches, None, log)
+        caches, logits = self.prefill(rows, list(images), caches, None, log, audios)
         tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
         position = np.array([len(r) for r in rows], np.int32)
         for n in range(1, max_new_tokens):
@@ -189,17 +194,28 @@ class Runner:
         → (tokens per request, timeline: one line per step)."""
         return serve(self, requests, log=log, stop=stop, emit=emit)
 
-    def prefill(self, rows, images, caches, slots, log):
+    def prefill(self, rows, images, caches, slots, log, audios=()):
         """Chunked prefill of rows (≤ batch_size token-id arrays [L_i]) into their cache rows,
         or into `slots` (a slot per row) with continuous batching → (caches, [rows, V] logits
         of each row's last prompt token). images: (patches, (h, w)) per image run of the rows,
-        in order; caches: {name: array} as `empty_caches` gives them.
+        in order; caches: {name: array} as `empty_caches` gives them; audios: the clips of
+        the rows' audio runs, in order (`generate`), through the audio graph
+        (`codegen.run.audio`), their soft tokens in the rows' streams.
 
         Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
         prompt may hold more soft tokens (a video's frames) than any exported vision budget:
         only a chunk's must fit one."""
         runs = [image_runs(r, *self.text.vision_token_ids) for r in rows]
         streams = self._vision().streams(runs, images, log)
+        soft_ids = self.text.vision_token_ids
+        if self.text.audio_token_id is not None and streams is not None:
+            clips = audio.embed_clips(self.checkpoint.config, self.entries.get("audio"),
+                                      functools.partial(self._run, "audio"), audios)  # fmt: skip
+            streams = audio.merge(rows, streams, soft_ids, (self.text.audio_token_id,), clips,
+                                  self.text.hidden_size)  # fmt: skip
+            soft_ids = (*soft_ids, self.text.audio_token_id)
+        elif len(audios):
+            raise RunError(f"{len(audios)} audio clips given but the export takes no audio")
         for i, row_runs in enumerate(runs):
             for start, n in row_runs:
                 if n > self.seq_len:
@@ -215,8 +231,14 @@ class Runner:
         chunks = max(len(s) for s in schedule)
         for k in range(chunks):
             ids, pos = chunk_arrays(rows, schedule, k, self.batch, self.seq_len)
-            counts = np.isin(ids[: len(rows)], self.text.vision_token_ids) & (pos[: len(rows)] >= 0)
+            counts = np.isin(ids[: len(rows)], soft_ids) & (pos[: len(rows)] >= 0)
             counts = counts.sum(axis=1)
+            if streams is not None and counts.max() > most:
+                raise RunError(
+                    f"prefill chunk {k + 1} holds {counts.max()} soft tokens (audio runs are cut "
+                    f"by chunk, not by budget); the largest vision budget is {most}: export "
+                    f"with --seq-len {most} or less, or a larger budget"
+                )
             feed = {"input_ids": ids, "position_ids": pos, **caches}
             if streams is not None:
                 feed.update(self._window(streams, offsets, counts))
