@@ -447,6 +447,8 @@ def test_help_documents_every_option(capsys):
         "num_devices": "--num-devices",
         "phases": "--prefill-only",
         "vision_tiles": "--vision-tiles",
+        "audio_budgets": "--audio-budgets",
+        "audio_clips": "--audio-clips",
         "clip_fp16": "--clip-fp16",
         "comp_ctx_lengths_prefill": "--comp-ctx-lengths-prefill",
         "comp_ctx_lengths_decode": "--comp-ctx-lengths-decode",
