@@ -79,29 +79,29 @@ def special_tokens(folder):
     return found
 
 
-def user_message(prompt, images, videos, tokens):
+def user_message(prompt, images, videos, tokens, audios=0):
     """One user message from a prompt: its content items in the prompt's order (text split at
-    the image and video placeholders), or, with no placeholder in the text, the images, then
-    the videos, then the text (as transformers' examples write them).
+    the image, video and audio placeholders), or, with no placeholder in the text, the images,
+    then the videos, then the audio clips, then the text (as transformers' examples write
+    them).
 
-    prompt: str; images, videos: counts; tokens: `ref.gemma4.prompts.PromptTokens`."""
-    marks = f"({re.escape(tokens.image_token)}|{re.escape(tokens.video_token)})"
-    pieces = re.split(marks, prompt)
+    prompt: str; images, videos, audios: counts; tokens: `ref.gemma4.prompts.PromptTokens`."""
+    kinds = {tokens.image_token: "image", tokens.video_token: "video", tokens.audio_token: "audio"}
+    given = {"image": images, "video": videos, "audio": audios}
+    pieces = re.split(f"({'|'.join(map(re.escape, kinds))})", prompt)
     if len(pieces) == 1:
-        pieces = [tokens.image_token] * images + [tokens.video_token] * videos + [prompt]
+        pieces = [mark for mark, kind in kinds.items() for _ in range(given[kind])] + [prompt]
     content = []
     for piece in pieces:
-        if piece == tokens.image_token:
-            content.append({"type": "image"})
-        elif piece == tokens.video_token:
-            content.append({"type": "video"})
+        if piece in kinds:
+            content.append({"type": kinds[piece]})
         elif piece.strip():
             content.append({"type": "text", "text": piece})
     found = [c["type"] for c in content]
-    if found.count("image") != images or found.count("video") != videos:
+    if any(found.count(kind) != n for kind, n in given.items()):
+        placed = ", ".join(f"{found.count(k)} {k}s" for k in given)
         raise ChatError(
-            f"the prompt places {found.count('image')} images and {found.count('video')} videos "
-            f"but {images} and {videos} are given"
+            f"the prompt places {placed} but {', '.join(map(str, given.values()))} are given"
         )
     return {"role": "user", "content": content}
 

@@ -61,11 +61,9 @@ def _photo_prompt(args, runner):
     prompt, specials = args.prompt, {}
     try:
         template = None if prompt is None else chat_template(getattr(args, "chat", None), runner)
-        if template is not None and audios:
-            raise RunError("--audio with the chat template is not supported yet: add --no-chat")
         if template is not None:
             specials = chat.special_tokens(runner.folder)
-            message = chat.user_message(prompt, len(args.image), len(videos), tokens)
+            message = chat.user_message(prompt, len(args.image), len(videos), tokens, len(audios))
             prompt = chat.render(template, [message], specials)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])

@@ -35,6 +35,8 @@ def _content(pieces, images):
             out.append({"type": "image", "image": next(it)})
         elif piece == TOKENS.video_token:
             out.append({"type": "video"})
+        elif piece == TOKENS.audio_token:
+            out.append({"type": "audio"})
         else:
             out.append({"type": "text", "text": piece})
     return out
@@ -42,11 +44,12 @@ def _content(pieces, images):
 
 @st.composite
 def prompts(draw):
-    """Pieces in a drawn order: words, 0–2 images, 0–2 videos; and whether the text names
-    where the items go (else they come first)."""
+    """Pieces in a drawn order: words, 0–2 images, 0–2 videos, 0–2 audio clips; and whether
+    the text names where the items go (else they come first)."""
     words = [" ".join(draw(st.lists(st.sampled_from(WORDS[:9]), min_size=1, max_size=4)))]
     items = [TOKENS.image_token] * draw(st.integers(0, 2))
     items += [TOKENS.video_token] * draw(st.integers(0, 2))
+    items += [TOKENS.audio_token] * draw(st.integers(0, 2))
     order = draw(st.permutations(words + items))
     return order, draw(st.booleans())
 
@@ -57,10 +60,13 @@ def test_rendered_text_is_apply_chat_templates(drawn):
     pieces, placed = drawn
     images = pieces.count(TOKENS.image_token)
     videos = pieces.count(TOKENS.video_token)
+    audios = pieces.count(TOKENS.audio_token)
     text = " ".join(pieces) if placed else " ".join(p for p in pieces if not p.startswith("<|"))
-    ours = chat.render(CHAT_TEMPLATE, [chat.user_message(text, images, videos, TOKENS)], SPECIALS)
+    message = chat.user_message(text, images, videos, TOKENS, audios)
+    ours = chat.render(CHAT_TEMPLATE, [message], SPECIALS)
     if not placed:  # items first, as the message without placeholders lists them
-        pieces = sorted(pieces, key=lambda p: (p != TOKENS.image_token, p != TOKENS.video_token))
+        marks = (TOKENS.image_token, TOKENS.video_token, TOKENS.audio_token)
+        pieces = sorted(pieces, key=lambda p: tuple(p != m for m in marks))
     messages = [{"role": "user", "content": _content(pieces, [None] * images)}]
     processor = hf_processor(word_tokenizer(), BUDGET, PATCH, chat_template=CHAT_TEMPLATE)
     want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -73,7 +79,7 @@ def test_rendered_text_is_apply_chat_templates(drawn):
 def test_templated_ids_are_apply_chat_templates(drawn, seed):
     """Text and images: the rendered prompt expanded and tokenized (no special tokens added: it
     starts with bos) equals apply_chat_template(tokenize=True)'s input_ids."""
-    pieces = [p for p in drawn[0] if p != TOKENS.video_token]
+    pieces = [p for p in drawn[0] if p not in (TOKENS.video_token, TOKENS.audio_token)]
     rng = np.random.default_rng(seed)
     photos = [rng.integers(0, 256, (int(rng.integers(8, 40)), 20, 3), np.uint8) for _ in pieces]
     photos = photos[: pieces.count(TOKENS.image_token)]
@@ -100,8 +106,10 @@ def test_templated_ids_are_apply_chat_templates(drawn, seed):
 
 
 def test_user_message_refuses_a_count_the_prompt_does_not_hold():
-    with pytest.raises(chat.ChatError, match="places 1 images and 0 videos but 2 and 0"):
+    with pytest.raises(chat.ChatError, match="places 1 images, 0 videos, 0 audios but 2, 0, 0"):
         chat.user_message("look <|image|> at", 2, 0, TOKENS)
+    with pytest.raises(chat.ChatError, match="places 0 images, 0 videos, 1 audios but 0, 0, 2"):
+        chat.user_message("hear <|audio|>", 0, 0, TOKENS, 2)
     with pytest.raises(chat.ChatError, match="the chat template failed: no system turn"):
         chat.render("{{ raise_exception('no system turn') }}", [], {})
 
