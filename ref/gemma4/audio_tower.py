@@ -15,7 +15,7 @@ from ref.gemma4.audio import AudioModel, EmbedAudio
 from ref.gemma4.audio_config import AudioConfig
 from ref.gemma4.audio_features import log_mel
 from ref.gemma4.audio_packing import clip_frames, pack, pack_frames
-from ref.gemma4.tower import checkpoint_loader
+from ref.gemma4.tower import checkpoint_loader, split_tree
 
 AUDIO = "model.audio_tower."
 
@@ -37,19 +37,8 @@ def audio_apply(params, embed_params, frames, index, *, config, keep_states=True
 audio_forward = jax.jit(audio_apply, static_argnames=("config", "keep_states"))
 
 
-def split_tree(params):
-    """(audio tower subtree, embed_audio subtree or None) of a tower-only or full checkpoint."""
-    model = params.get("model")
-    if isinstance(model, dict) and "audio_tower" in model:
-        return model["audio_tower"], model.get("embed_audio")
-    if "audio_tower" in params:
-        return params["audio_tower"], params.get("embed_audio")
-    if "subsample_conv_projection" in params and "layers" in params:
-        return params, None
-    raise ValueError(
-        f"parameter tree with top-level keys {sorted(params)[:8]} holds no Gemma 4 audio "
-        "tower: expected model.audio_tower.* or subsample_conv_projection.*/layers.*"
-    )
+# the top-level keys of an audio tower saved alone
+AUDIO_ALONE = ("subsample_conv_projection", "layers")
 
 
 class AudioTower:
@@ -70,7 +59,7 @@ class AudioTower:
     @classmethod
     def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
         """From an HF config dict and a checkpoint tree (tower-only or full model)."""
-        tower, embed = split_tree(params)
+        tower, embed = split_tree(params, "audio_tower", "embed_audio", AUDIO_ALONE)
         return cls(AudioConfig.from_hf(hf_config), tower, embed, dtype, mesh)
 
     @classmethod

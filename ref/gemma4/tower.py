@@ -63,18 +63,22 @@ def checkpoint_loader():
     return found["safetensors"].load()
 
 
-def _split_tree(params):
-    """(vision subtree, embed_vision subtree or None) of a vision-only or full checkpoint."""
+def split_tree(
+    params, tower="vision_tower", embed="embed_vision", alone=("encoder", "patch_embedder")
+):
+    """(`tower` subtree, `embed` subtree or None) of a tower-only or full checkpoint's tree; a
+    tower saved alone is known by its top-level keys `alone`."""
     model = params.get("model")
-    if isinstance(model, dict) and "vision_tower" in model:
-        return model["vision_tower"], model.get("embed_vision")
-    if "vision_tower" in params:
-        return params["vision_tower"], params.get("embed_vision")
-    if "encoder" in params and "patch_embedder" in params:
+    if isinstance(model, dict) and tower in model:
+        return model[tower], model.get(embed)
+    if tower in params:
+        return params[tower], params.get(embed)
+    if all(k in params for k in alone):
         return params, None
+    what = tower.removesuffix("_tower")
     raise ValueError(
-        f"parameter tree with top-level keys {sorted(params)[:8]} holds no Gemma 4 vision "
-        "tower: expected model.vision_tower.* or encoder.*/patch_embedder.*"
+        f"parameter tree with top-level keys {sorted(params)[:8]} holds no Gemma 4 {what} "
+        f"tower: expected model.{tower}.* or {'/'.join(f'{k}.*' for k in alone)}"
     )
 
 
@@ -96,7 +100,7 @@ class VisionTower:
     @classmethod
     def from_params(cls, hf_config, params, dtype=jnp.float32, mesh=None):
         """From an HF config dict and a checkpoint tree (vision-only or full model)."""
-        vision, embed = _split_tree(params)
+        vision, embed = split_tree(params)
         return cls(VisionConfig.from_hf(hf_config), vision, embed, dtype, mesh)
 
     @classmethod
