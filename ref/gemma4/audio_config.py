@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from ref.gemma4.config import refuse_invalid
+
 # The subsampling convolutions see the feature extractor's mel bins (ref.gemma4.audio_features:
 # 128), halved twice; transformers sizes `input_proj_linear` as (channels[0] // 4)·channels[1].
 SUBSAMPLED_MEL_BINS = 32
@@ -50,15 +52,15 @@ class AudioConfig:
             "gradient_clipping": self.gradient_clipping > 0,
             "output_proj_dims": self.output_proj_dims > 0,
         }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid audio config {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}: "
-                "sizes must be positive, hidden_size a multiple of the heads, two subsampling "
-                f"channel counts with channels[0] // 4 == {SUBSAMPLED_MEL_BINS} (the flattened "
-                "width transformers gives input_proj_linear), attention_context_left >= 2 "
-                "(a frame sees itself and its past), attention_context_right >= 0"
-            )
+        refuse_invalid(
+            self,
+            checks,
+            "audio",
+            "sizes must be positive, hidden_size a multiple of the heads, two subsampling "
+            f"channel counts with channels[0] // 4 == {SUBSAMPLED_MEL_BINS} (the flattened "
+            "width transformers gives input_proj_linear), attention_context_left >= 2 "
+            "(a frame sees itself and its past), attention_context_right >= 0",
+        )
 
     @property
     def head_dim(self):

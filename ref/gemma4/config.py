@@ -3,6 +3,15 @@
 from dataclasses import dataclass
 
 
+def refuse_invalid(config, checks, kind, rules):
+    """ValueError naming each field of `config` whose check failed (checks: {field: ok}), then
+    `rules` (what the fields must be); nothing when all hold."""
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        named = ", ".join(f"{n}={getattr(config, n)!r}" for n in bad)
+        raise ValueError(f"invalid {kind} config {named}: {rules}")
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision tower's hyper-parameters (hashable: usable as a jit static argument)."""
@@ -34,13 +43,12 @@ class VisionConfig:
             "patch_size": self.patch_size > 0,
             "position_embedding_size": self.position_embedding_size > 0,
         }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid vision config {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}: "
-                "sizes must be positive, query heads a multiple of kv heads, "
-                "head_dim divisible by 4"
-            )
+        refuse_invalid(
+            self,
+            checks,
+            "vision",
+            "sizes must be positive, query heads a multiple of kv heads, head_dim divisible by 4",
+        )
 
     @property
     def patch_dim(self):
