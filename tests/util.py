@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import wave
 
 import jax
 import numpy as np
@@ -86,3 +87,37 @@ def folder_copy(folder, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     return copy
+
+
+def write_wav(path, samples, rate, channels=1, width=2):
+    """int samples [n, channels] as a PCM WAV of `width` bytes a sample."""
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(width)
+        f.setframerate(rate)
+        f.writeframes(np.asarray(samples, f"<i{width}").tobytes())
+
+
+def write_av(path, codec, ints, rate, frames=0):
+    """ints [n, channels] int16 encoded by `codec` at `rate` (None: no sound stream; n = 0: a
+    stream without packets) into the container `path` names, after `frames` 16×16 MPEG-4 video
+    frames."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        streams = []
+        if frames:
+            video = container.add_stream("mpeg4", rate=8)
+            video.width = video.height = 16
+            black = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")
+            streams.append((video, [black] * frames))
+        if ints is not None:
+            layout = "stereo" if ints.shape[1] == 2 else "mono"
+            pcm = np.asarray(ints, np.int16).reshape(1, -1)  # interleaved
+            frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout=layout)
+            frame.sample_rate = rate
+            sound = container.add_stream(codec, rate=rate, layout=layout)
+            streams.append((sound, [frame] if len(ints) else []))
+        for stream, items in streams:  # every stream added before the first packet
+            for item in [*items, None]:
+                container.mux(stream.encode(item))

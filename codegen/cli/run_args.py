@@ -84,9 +84,10 @@ def _prompt_arguments(r):
         action="append",
         default=[],
         metavar="FILE",
-        help="a WAV file (16-bit PCM, mono or stereo averaged, any rate: resampled to 16 kHz; "
-        "at most 30 s), one <|audio|> placeholder each (repeatable, in the prompt's order); "
-        "runs through the export's audio graph",
+        help="a WAV file (16-bit PCM), or FLAC, MP3, OGG, M4A, a video's sound, … through PyAV "
+        "(the video extra): channels averaged, any rate resampled to 16 kHz, at most 30 s; one "
+        "<|audio|> placeholder each (repeatable, in the prompt's order); runs through the "
+        "export's audio graph",
     )
     r.add_argument(
         "--max-soft-tokens",

@@ -14,7 +14,7 @@ import numpy as np
 from codegen.run import chat
 from codegen.run.media import read_image, read_video
 from codegen.run.runtime import Request, RunError, Runner
-from codegen.run.sound import read_wav
+from codegen.run.sound import read_audio
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.decoding import Sampling
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
@@ -54,7 +54,7 @@ def _photo_prompt(args, runner):
         raise RunError(f"{len(fps)} --video-fps for {len(args.video)} --video: one each")
     fps += [None] * (len(args.video) - len(fps))
     videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
-    audios = [read_wav(p) for p in getattr(args, "audio", [])]
+    audios = [read_audio(p) for p in getattr(args, "audio", [])]
     tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
     cfg = VisionConfig.from_hf(runner.checkpoint.config)
     tokens = prompt_tokens(runner.checkpoint.config)

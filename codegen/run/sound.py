@@ -1,6 +1,7 @@
-"""Sound in for `run`: WAV files read with the standard library's `wave` (16-bit PCM, mono or
-stereo averaged), resampled to the 16 kHz Gemma 4's feature extractor takes by a windowed-sinc
-resampler (`resample`)."""
+"""Sound in for `run` and `serve`: WAV files read with the standard library's `wave` (16-bit
+PCM), other formats (FLAC, MP3, OGG/Opus, M4A/AAC, a video file's sound, …) decoded by PyAV
+(the optional `video` extra); channels averaged, then resampled to the 16 kHz Gemma 4's feature
+extractor takes by our windowed-sinc resampler (`resample`; never FFmpeg's)."""
 
 import struct
 import wave
@@ -13,6 +14,8 @@ from ref.gemma4.audio_features import MAX_SAMPLES, SAMPLE_RATE
 ZEROS = 16  # zero crossings of the sinc each side: the kernel's half width in input periods
 BETA = 8.6  # the Kaiser window's shape: stopband ≈ −90 dB
 BLOCK = 1 << 14  # output samples computed at a time (bounds the [block, taps] work array)
+LIMIT_S = MAX_SAMPLES // SAMPLE_RATE  # the longest clip, in seconds
+WAV_SUFFIXES = (".wav", ".wave")
 
 
 def resample(x, rate_in, rate_out=SAMPLE_RATE):
@@ -49,6 +52,20 @@ def resample(x, rate_in, rate_out=SAMPLE_RATE):
     return out.astype(np.float32)
 
 
+def read_audio(path):
+    """An audio file as float32 samples [n] in [−1, 1) at 16 kHz, 1 ≤ n ≤ 30 s: a WAV (by its
+    RIFF/WAVE header or its name) through `read_wav`, any other format through `read_av`;
+    RunError naming the file and what was expected otherwise."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except OSError as e:
+        raise RunError(f"--audio {path}: {e.strerror or e}: expected an audio file") from e
+    if head[:4] == b"RIFF" and head[8:] == b"WAVE" or str(path).lower().endswith(WAV_SUFFIXES):
+        return read_wav(path)
+    return read_av(path)
+
+
 def read_wav(path):
     """A WAV file as float32 samples [n] in [−1, 1) at 16 kHz: 16-bit PCM, one or two channels
     (averaged), any rate (resampled); at most 30 s, at least one sample. RunError naming the
@@ -71,12 +88,65 @@ def read_wav(path):
         why = str(e) or type(e).__name__
         raise RunError(f"--audio {path}: not a readable PCM WAV file ({why})") from e
     samples = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2")
-    samples = samples.reshape(-1, channels).astype(np.float32).mean(axis=1) / 32768.0
-    if not len(samples):
-        raise RunError(f"--audio {path}: no samples: expected a clip of 1 sample to 30 s")
-    seconds = len(samples) / rate
-    if -(-len(samples) * SAMPLE_RATE // rate) > MAX_SAMPLES:
+    samples = mono(samples.reshape(-1, channels))
+    if _too_long(len(samples), rate):
+        raise RunError(f"--audio {path}: {len(samples) / rate:.2f} s: the limit is {LIMIT_S} s")
+    return _at_16k(path, samples, rate)
+
+
+def read_av(path):
+    """A file of another format through PyAV: its first audio stream decoded frame by frame,
+    each frame's channels averaged (`mono`), resampled by `resample`. RunError naming
+    the file: PyAV not installed, no audio stream, not decodable, more than 30 s (decoding
+    stops there), no samples."""
+    try:
+        import av
+    except ImportError as e:
         raise RunError(
-            f"--audio {path}: {seconds:.2f} s: the limit is {MAX_SAMPLES // SAMPLE_RATE} s"
-        )
+            f"--audio {path}: not a WAV file; other formats need PyAV "
+            "(pip install 'gemma4-qaic[video]'), or convert it to 16-bit PCM WAV"
+        ) from e
+    parts, rate, count = [], None, 0
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                raise RunError(f"--audio {path}: no audio stream: expected a file with sound")
+            for frame in container.decode(container.streams.audio[0]):
+                rate = rate or frame.sample_rate
+                if frame.sample_rate != rate:
+                    raise RunError(
+                        f"--audio {path}: the sample rate changes from {rate} to "
+                        f"{frame.sample_rate} Hz: expected one rate"
+                    )
+                planes = frame.to_ndarray()  # [channels, n] planar, [1, n · channels] packed
+                channels = len(frame.layout.channels)
+                parts.append(
+                    mono(planes.T if frame.format.is_planar else planes.reshape(-1, channels))
+                )
+                count += len(parts[-1])
+                if _too_long(count, rate):
+                    raise RunError(f"--audio {path}: over {LIMIT_S} s: the limit is {LIMIT_S} s")
+    except av.FFmpegError as e:
+        raise RunError(f"--audio {path}: not an audio file PyAV can decode ({e})") from e
+    return _at_16k(path, np.concatenate([np.zeros(0, np.float32), *parts]), rate)
+
+
+def mono(samples):
+    """PCM [n, channels] → [n] float32: channels averaged; integers scaled by their full scale
+    (int16 / 32768; unsigned about their midpoint), floats kept."""
+    x = np.asarray(samples)
+    full = 2.0 ** (8 * x.dtype.itemsize - 1) if x.dtype.kind in "iu" else 1.0
+    middle = full if x.dtype.kind == "u" else 0.0
+    return ((x.mean(axis=1, dtype=np.float64) - middle) / full).astype(np.float32)
+
+
+def _too_long(count, rate):
+    """Whether `count` samples at `rate` resample to more than 30 s at 16 kHz."""
+    return -(-count * SAMPLE_RATE // rate) > MAX_SAMPLES
+
+
+def _at_16k(path, samples, rate):
+    """samples [n] float32 at `rate` → [m] float32 at 16 kHz; RunError for none."""
+    if not len(samples):
+        raise RunError(f"--audio {path}: no samples: expected a clip of 1 sample to {LIMIT_S} s")
     return resample(samples, rate)

@@ -5,8 +5,6 @@ prefill and decode graphs in onnxruntime) and give the tokens transformers' `gen
 what its own Gemma4Processor makes of the same samples and text; bad audio files are one line
 and exit code 2; the resampler against an analytic sine."""
 
-import wave
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -18,7 +16,7 @@ from codegen.export.command import ExportOptions, export
 from codegen.run.sound import resample
 from tests.hf_processor import greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_audio_vlm
-from tests.util import examples
+from tests.util import examples, write_av, write_wav
 
 NEW_TOKENS = 8
 MARGIN = 1e-4
@@ -27,15 +25,6 @@ CASES = {
     "one clip": "look at <|audio|> then",
     "a clip, an image, a clip": "look <|audio|> at <|image|> this <|audio|> then",
 }
-
-
-def write_wav(path, samples, rate, channels=1, width=2):
-    """int samples [n, channels] as a PCM WAV of `width` bytes a sample."""
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(channels)
-        f.setsampwidth(width)
-        f.setframerate(rate)
-        f.writeframes(np.asarray(samples, f"<i{width}").tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +81,14 @@ def test_wav_prompt_gives_transformers_tokens(
 
 
 def _bad_files(folder):
-    """(file, what the refusal names) of WAVs the runner cannot take."""
+    """(file, what the refusal names) of audio files the runner cannot take."""
     (folder / "empty.wav").write_bytes(b"")
     (folder / "corrupt.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk")
     write_wav(folder / "eight.wav", np.zeros((100, 1)), 16_000, width=1)
     write_wav(folder / "long.wav", np.zeros((16_000 * 30 + 1, 1)), 16_000)
     write_wav(folder / "silent.wav", np.zeros((0, 1)), 16_000)
     write_wav(folder / "three.wav", np.zeros((100, 3)), 16_000, channels=3)
+    write_av(folder / "film.mkv", None, None, 0, frames=2)
     return {
         "empty.wav": "not a readable PCM WAV file",
         "corrupt.wav": "not a readable PCM WAV file",
@@ -106,6 +96,7 @@ def _bad_files(folder):
         "long.wav": "30.00 s: the limit is 30 s",
         "silent.wav": "no samples",
         "three.wav": "3 channels: expected 1 or 2",
+        "film.mkv": "no audio stream: expected a file with sound",
     }
 
 
