@@ -45,7 +45,7 @@ def serve_parser(sub):
         required=True,
         metavar="FILE.jsonl",
         help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images, "
-        "videos, video_fps}, "
+        "videos, video_fps, audios}, "
         "max_new_tokens (16), arrival (the step it joins at, 0), chat (as run's --chat), "
         "sample, temperature, top_k, top_p, seed (each request's own; the options below are "
         "the defaults)",

@@ -2,15 +2,17 @@
 consecutive clips packed into one call while they fit the largest exported budget and the
 graph's clips per call, each call at the least budget that holds it; each clip's soft tokens
 (after embed_audio) come back in order, and `merge` puts them in a row's soft-token stream
-between its images' where their runs appear."""
+between its images' where their runs appear; `per_row` hands a batch's clips to its rows (each
+row a request of its own under continuous batching)."""
 
 import numpy as np
 
 from codegen.run.errors import RunError
 from ref.gemma4.audio_config import AudioConfig
-from ref.gemma4.audio_features import log_mel
+from ref.gemma4.audio_features import check_waveform, log_mel, num_soft_tokens
 from ref.gemma4.audio_packing import clip_frames, pack, pack_frames, soft_tokens
 from ref.gemma4.multimodal import soft_runs
+from ref.gemma4.schedule import image_runs
 
 
 def embed_clips(hf_config, entry, run, clips):
@@ -73,3 +75,24 @@ def merge(rows, vision_streams, vision_ids, audio_ids, clips, hidden):
     if next(audio, None) is not None:
         raise RunError("more audio clips given than the prompts hold audio runs")
     return streams
+
+
+def per_row(rows, clips, audio_id):
+    """Each row's clips → a list per row: rows are token-id arrays [L_i] whose audio runs (of
+    `audio_id`) the clips ([n] float32 at 16 kHz) fill in order, row by row, one clip a run; a
+    clip too short for soft tokens has no run and goes with the row of the clip after it (the
+    last row when none follows)."""
+    ends = np.cumsum([len(image_runs(r, audio_id)) for r in rows])
+    try:
+        heard = [num_soft_tokens(len(check_waveform(c, f"audio clip {i}"))) > 0
+                 for i, c in enumerate(clips)]  # fmt: skip
+    except ValueError as e:
+        raise RunError(str(e)) from e
+    if sum(heard) != ends[-1]:
+        raise RunError(
+            f"{sum(heard)} audio clips with soft tokens (of {len(clips)} given) but the prompts "
+            f"hold {ends[-1]} audio runs: expected one clip a run"
+        )
+    before = np.cumsum(heard, dtype=int) - heard  # clips with soft tokens before each clip
+    row_of = np.minimum(np.searchsorted(ends, before, side="right"), len(rows) - 1)
+    return [[c for c, r in zip(clips, row_of, strict=True) if r == i] for i in range(len(rows))]

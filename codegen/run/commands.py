@@ -234,8 +234,9 @@ def row_text(tokenizer, row):
 def read_requests(path, runner, defaults=None):
     """Requests from a JSONL file, one object a line: `prompt_ids` (image runs expanded, with
     `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
-    with `images` [image files] and `videos` [frame folders or animations] (with
-    `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70));
+    with `images` [image files], `videos` [frame folders, animations or video files] (with
+    `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70)) and `audios` [audio
+    files: WAV, or any format PyAV decodes];
     `max_new_tokens` (16) and `arrival` (step, 0); `chat` (`run`'s --chat), `sample`,
     `temperature`, `top_k`, `top_p`, `seed` (default: `defaults`, serve's options). Paths are
     relative to the file's folder."""
@@ -256,12 +257,13 @@ def read_requests(path, runner, defaults=None):
             grid=[tuple(g) for g in item.get("grids", [])],
             max_soft_tokens=item.get("max_soft_tokens"),
             video=[where(p) for p in item.get("videos", [])],
+            audio=[where(p) for p in item.get("audios", [])],
             video_fps=item.get("video_fps", []),
             video_frames=item.get("video_frames", VIDEO_FRAMES),
             video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
             chat=item.get("chat"),
         )
-        rows, images, _, _ = _inputs(args, runner)
+        rows, images, _, clips = _inputs(args, runner)
         n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
         if not isinstance(arrival, int) or arrival < 0:
             raise RunError(
@@ -272,7 +274,7 @@ def read_requests(path, runner, defaults=None):
             sampling = sampling_of(options, runner.generation_config)
         except ValueError as e:
             raise RunError(f"--requests {path} line {i + 1}: {e}") from e
-        requests.append(Request(np.asarray(rows[0]), images, n, arrival, sampling))
+        requests.append(Request(np.asarray(rows[0]), images, n, arrival, sampling, audios=clips))
     return requests
 
 

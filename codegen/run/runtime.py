@@ -137,10 +137,9 @@ class Runner:
         emit = emit or (lambda row, token: None)
         rows = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         self.check(rows, max_new_tokens)
-        if len(audios) and (self.slots is not None or (self.drafts and sampling is None)):
-            raise RunError("audio clips run without continuous batching or speculation (yet)")
         if self.slots is not None:
             it = iter(images)
+            clips = audio.per_row(rows, audios, self.text.audio_token_id)
             requests = [
                 Request(
                     r,
@@ -148,6 +147,7 @@ class Runner:
                     max_new_tokens,
                     sampling=sampling,
                     row=i,
+                    audios=clips[i],
                 )
                 for i, r in enumerate(rows)
             ]
@@ -157,8 +157,8 @@ class Runner:
                 [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
             )
         if self.drafts and sampling is None:
-            return speculation.generate(self, rows, images, max_new_tokens=max_new_tokens,
-                                        log=log, stop=stop, emit=emit)  # fmt: skip
+            return speculation.generate(self, rows, images, audios, log=log, stop=stop,
+                                        max_new_tokens=max_new_tokens, emit=emit)  # fmt: skip
         if self.drafts:
             log("sampling: the decode graph, a token per call (speculation is greedy here)")
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
@@ -199,7 +199,7 @@ class Runner:
         or into `slots` (a slot per row) with continuous batching → (caches, [rows, V] logits
         of each row's last prompt token). images: (patches, (h, w)) per image run of the rows,
         in order; caches: {name: array} as `empty_caches` gives them; audios: the clips of
-        the rows' audio runs, in order (`generate`), through the audio graph
+        the rows' audio runs, in order (`generate`, `serve`), through the audio graph
         (`codegen.run.audio`), their soft tokens in the rows' streams.
 
         Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a

@@ -15,10 +15,11 @@ from ref.gemma4 import decoding
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request to serve: prompt ids (image runs expanded), its images (patches, (h, w)) in
-    order, how many tokens to generate at most, the step at which it arrives, its sampling
-    (None: greedy; else a `ref.gemma4.decoding.Sampling`) and the row whose generator its
-    draws use (0: as a run of it alone; `generate` gives row i its own)."""
+    """One request to serve: prompt ids (image and audio runs expanded), its images (patches,
+    (h, w)) in order, how many tokens to generate at most, the step at which it arrives, its
+    sampling (None: greedy; else a `ref.gemma4.decoding.Sampling`), the row whose generator its
+    draws use (0: as a run of it alone; `generate` gives row i its own) and its audio clips
+    ([n] float32 at 16 kHz each, in the order of its audio runs)."""
 
     ids: np.ndarray
     images: list
@@ -26,6 +27,7 @@ class Request:
     arrival: int = 0
     sampling: decoding.Sampling | None = None
     row: int = 0
+    audios: list = ()
 
 
 def slot_column(slots, rows):
@@ -64,7 +66,8 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
             slots = free[k : k + len(group)]
             rows = [requests[r].ids for r in group]
             images = [img for r in group for img in requests[r].images]
-            caches, logits = runner.prefill(rows, images, caches, slots, log)
+            audios = [clip for r in group for clip in requests[r].audios]
+            caches, logits = runner.prefill(rows, images, caches, slots, log, audios)
             for r, s, row_logits in zip(group, slots, logits, strict=True):
                 waiting.remove(r)
                 token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)

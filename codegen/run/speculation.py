@@ -27,12 +27,13 @@ def round_feed(token, position, drafts, rows, ctx_len):
     return ids, pos
 
 
-def generate(runner, rows, images, *, max_new_tokens, log, stop, emit):
-    """Greedy tokens [len(rows), N] of a batch of prompts (as `Runner.generate`), each round one
-    `speculate` call; each row's speculation logged in a line (`speculative.report`)."""
+def generate(runner, rows, images, audios, *, max_new_tokens, log, stop, emit):
+    """Greedy tokens [len(rows), N] of a batch of prompts with their images and audio clips (as
+    `Runner.generate`), each round one `speculate` call; each row's speculation logged in a
+    line (`speculative.report`)."""
     stop = runner.stop if stop is None else stop
     caches = runner.empty_caches("prefill")
-    caches, logits = runner.prefill(rows, list(images), caches, None, log)
+    caches, logits = runner.prefill(rows, list(images), caches, None, log, audios)
     rounds = []
     state = speculative.Rows(logits, [len(r) for r in rows], stop, max_new_tokens, runner.pad,
                              runner.drafts, rounds)  # fmt: skip

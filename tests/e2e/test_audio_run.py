@@ -2,8 +2,12 @@
 run OUT --audio F.wav [--image F.png] --prompt TEXT` (the WAV read and resampled to 16 kHz by
 `codegen.run.sound`, log-mel features and prompt expansion in `ref`, the exported audio, vision,
 prefill and decode graphs in onnxruntime) and give the tokens transformers' `generate` gives on
-what its own Gemma4Processor makes of the same samples and text; bad audio files are one line
-and exit code 2; the resampler against an analytic sine."""
+what its own Gemma4Processor makes of the same samples and text, and so do `serve` requests
+with "audios" (WAV and FLAC); bad audio files are one line and exit code 2; the resampler
+against an analytic sine."""
+
+import json
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +17,8 @@ from PIL import Image
 
 from codegen.__main__ import main
 from codegen.export.command import ExportOptions, export
+from codegen.run.commands import read_requests
+from codegen.run.runtime import RunError, Runner
 from codegen.run.sound import resample
 from tests.hf_processor import greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_audio_vlm
@@ -21,6 +27,7 @@ from tests.util import examples, write_av, write_wav
 NEW_TOKENS = 8
 MARGIN = 1e-4
 BUDGET, PATCH = 70, 2
+SLOTS = 2
 CASES = {
     "one clip": "look at <|audio|> then",
     "a clip, an image, a clip": "look <|audio|> at <|image|> this <|audio|> then",
@@ -31,14 +38,16 @@ CASES = {
 def exported(tmp_path_factory):
     """(transformers model, export folder): a tiny Gemma 4 with vision and audio, exported
     whole (audio budgets 50 and 188 soft tokens; prefill chunks of 70 so an audio run's part
-    in a chunk fits the vision budget)."""
+    in a chunk fits the vision budget) with continuous batching's slots, so `run` and `serve`
+    both go through them."""
     model = hf_audio_vlm()
     folder = tmp_path_factory.mktemp("audio-run-model")
     model.save_pretrained(folder)
     word_backend().save(str(folder / "tokenizer.json"))
     out = tmp_path_factory.mktemp("audio-run-export") / "out"
     opts = ExportOptions(out=out, model=folder, budgets=(BUDGET,), audio_budgets=(50, 188),
-                         seq_len=BUDGET, ctx_len=256, hash_shards=False)  # fmt: skip
+                         seq_len=BUDGET, ctx_len=256, full_batch_size=SLOTS,
+                         hash_shards=False)  # fmt: skip
     export(opts, log=lambda m: None)
     return model, out
 
@@ -71,13 +80,70 @@ def test_wav_prompt_gives_transformers_tokens(
         images = [rng.integers(0, 256, (int(rng.integers(8, 40)), 24, 3), np.uint8)]
         Image.fromarray(images[0]).save(folder / "photo.png")
         args += ["--image", str(folder / "photo.png")]
-    processor = hf_processor(word_tokenizer(), BUDGET, PATCH)
-    inputs = processor(text=[prompt], images=[images] if images else None, audio=clips,
-                       return_tensors="pt")  # fmt: skip
-    want, gap = greedy_with_gap(model, inputs, NEW_TOKENS)
+    want, gap = hf_tokens(model, prompt, images, clips)
     assume(gap > MARGIN)
     assert main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+
+
+def hf_tokens(model, prompt, images, clips):
+    """transformers' greedy tokens for `prompt` with its images ([H, W, 3] uint8) and clips ([n]
+    float32 at 16 kHz), as Gemma4Processor makes them → (tokens, least top-2 logit gap)."""
+    processor = hf_processor(word_tokenizer(), BUDGET, PATCH)
+    inputs = processor(text=[prompt], images=[images] if images else None, audio=clips,
+                       return_tensors="pt")  # fmt: skip
+    return greedy_with_gap(model, inputs, NEW_TOKENS)
+
+
+# serve's requests: prompt, audio files (name, samples, rate, channels), images, arrival step
+REQUESTS = [
+    ("look at <|audio|> then", [("a.wav", 6_000, 16_000, 1)], 0, 0),
+    ("look <|audio|> at <|image|> this <|audio|> then",
+     [("b.flac", 9_000, 22_050, 2), ("c.wav", 3_000, 16_000, 1)], 1, 0),
+    ("this <|audio|> and that", [("d.wav", 5_000, 16_000, 2)], 0, 1),
+]  # fmt: skip
+
+
+def test_serve_requests_with_audios_get_transformers_tokens(exported, tmp_path):
+    """Requests with "audios" (WAV, and a stereo 22.05 kHz FLAC through PyAV) and an image
+    served over 2 slots, the third waiting for one: each gets transformers' tokens for it
+    alone; a request naming a missing or a corrupt audio file is refused naming it."""
+    model, out = exported
+    rng = np.random.default_rng(5)
+    lines, wants = [], []
+    for prompt, sounds, photos, arrival in REQUESTS:
+        clips, images = [], []
+        for name, n, rate, channels in sounds:
+            ints = rng.integers(-12_000, 12_000, (n, channels)).astype(np.int16)
+            if name.endswith(".flac"):
+                write_av(tmp_path / name, "flac", ints, rate)
+            else:
+                write_wav(tmp_path / name, ints, rate, channels=channels)
+            clips.append(resample(ints.mean(axis=1) / 32768, rate))
+        for i in range(photos):
+            images.append(rng.integers(0, 256, (30, 24, 3), np.uint8))
+            Image.fromarray(images[-1]).save(tmp_path / f"photo{i}.png")
+        want, gap = hf_tokens(model, prompt, images, clips)
+        assert gap > MARGIN, gap
+        wants.append(want)
+        lines.append(dict(prompt=prompt, audios=[s[0] for s in sounds], chat=False,
+                          images=[f"photo{i}.png" for i in range(photos)],
+                          max_new_tokens=NEW_TOKENS, arrival=arrival))  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    runner = Runner(out)
+    got, timeline = runner.serve(read_requests(path, runner))
+    for i, (g, w) in enumerate(zip(got, wants, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
+    assert any("request 2 joins" in line for line in timeline[2:]), timeline
+    (tmp_path / "bad.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk")
+    for name, message in [("gone.wav", "No such file or directory: expected an audio file"),
+                          ("bad.wav", "not a readable PCM WAV file")]:  # fmt: skip
+        path.write_text(
+            "\n".join(json.dumps(x) for x in (lines[0], {**lines[0], "audios": [name]}))
+        )
+        with pytest.raises(RunError, match=re.escape(f"--audio {tmp_path / name}: {message}")):
+            read_requests(path, runner)
 
 
 def _bad_files(folder):
