@@ -93,7 +93,7 @@ def relative_embeddings(config, dtype):
     position npos − 1 − j (descending to 0), `[sin(p·f), cos(p·f)]` with f the hidden/2
     timescales 10000^(−i / (hidden/2 − 1))."""
     half = config.hidden_size // 2
-    npos = config.context_size // 2 + 1
+    npos = config.relative_positions
     increment = math.log(10000.0) / max(half - 1, 1)
     timescales = np.exp(np.arange(half) * -increment)
     angles = np.arange(npos - 1, -1, -1)[:, None] * timescales[None, :]

@@ -76,6 +76,11 @@ class AudioConfig:
         """Keys of one attention chunk: chunk + past + future."""
         return self.attention_chunk_size + self.max_past + self.attention_context_right
 
+    @property
+    def relative_positions(self):
+        """Rows of the relative-position table (npos: positions npos − 1 … 0)."""
+        return self.context_size // 2 + 1
+
     @classmethod
     def from_hf(cls, config):
         """From a Gemma4AudioConfig dict, or a full Gemma4Config dict (adds the text width)."""
