@@ -12,6 +12,7 @@ import numpy as np
 from codegen.kit.vector_options import (
     attention_positions,
     attention_sizes,
+    audio_packing,
     blocking_config,
     grids,
     moe_mode,
@@ -21,6 +22,7 @@ from codegen.kit.vector_options import (
 from ref import cache
 from ref.attention import blocked, reference
 from ref.gemma4 import moe
+from ref.gemma4.audio_attention import chunked_attention
 from ref.gemma4.packing import pack
 from ref.gemma4.vision import packed_attention, pool
 from ref.rope import axial_rope
@@ -191,6 +193,58 @@ def _vision_attention_case(options, rng):
     )
 
 
+def _audio_attention_case(options, rng):
+    config, packing = audio_packing(options)
+    m, h, d = len(packing.segment_ids), config.num_attention_heads, config.head_dim
+    past, future = config.max_past, config.attention_context_right
+    invalid = config.attention_invalid_logits_value
+    index = {k: packing.arrays[k] for k in ("chunk_queries", "chunk_keys", "token_slots")}
+
+    def run(a, scalars):
+        args = (a[k] for k in ("q", "k", "v", "rel_k", *index))
+        kwargs = dict(past=past, future=future, cap=scalars["cap"], invalid=invalid)
+        return chunked_attention(*args, **kwargs)
+
+    chunking = f"past={past}, future={future}, cap=cap, invalid={invalid}"
+    return Case(
+        floats={
+            "q": rng.standard_normal((m, h, d)),
+            "k": rng.standard_normal((m, h, d)),
+            "v": rng.standard_normal((m, h, d)),
+            "rel_k": rng.standard_normal((config.relative_positions, h, d)),
+        },
+        ints={**index, "segment_ids": packing.segment_ids, "cu_tokens": packing.cu_tokens},
+        layouts={
+            "q": "[M, H, D] packed soft tokens, q_proj scaled (head_dim^-0.5 / ln 2 * "
+            "softplus(per_dim_scale))",
+            "k": "[M, H, D], k_proj scaled (ln(1 + e) / ln 2)",
+            "v": "[M, H, D]",
+            "rel_k": "[npos, H, D] relative_k_proj of the sinusoid table: row j is relative "
+            "position npos - 1 - j; query i of a chunk reads row P - d for a key d before it",
+            "chunk_queries": "[B, C] each chunk's queries (M: outside the clip, a zero row)",
+            "chunk_keys": "[B, C + P + F] each chunk's keys s - P .. s + C + F - 1 of its clip "
+            "(M: outside the clip, a zero row, masked)",
+            "token_slots": "[M] row of the chunks' [B*C] outputs holding each token's output",
+            "segment_ids": "[M] clip index, -1 = filler (the dense reference's input)",
+            "cu_tokens": "[clips + 1] soft-token offsets of the clips (filler after the last)",
+        },
+        out_layout="[M, H, D]; filler tokens (segment_ids -1) hold chunk row 0's output "
+        "(token_slots 0): compare the rows with segment_ids >= 0",
+        reference="ref.gemma4.audio_attention.chunked_attention(q, k, v, rel_k, chunk_queries, "
+        f"chunk_keys, token_slots, {chunking})",
+        run=run,
+        scalars={"cap": options["cap"]},
+        extra={
+            "frame_counts": list(packing.frame_counts),
+            "token_counts": list(packing.token_counts),
+            "dense_reference": "ref.gemma4.audio_reference.reference(q, k, v, rel_k, "
+            f"segment_ids, {chunking})",
+            "order": "scores q.k + rel_shift(q.rel_k), then cap*tanh(s/cap), then the mask "
+            f"({invalid} where hidden), then softmax in float32 at least",
+        },
+    )
+
+
 def _pool_case(options, rng):
     if options["hidden"] < 1:
         raise ValueError(f"option hidden={options['hidden']}: expected an integer >= 1")
@@ -284,6 +338,7 @@ def make_case(op, mode, options, rng):
     builders = {
         "cache_update": _cache_update_case,
         "vision_attention": _vision_attention_case,
+        "audio_attention": _audio_attention_case,
         "pool": _pool_case,
         "rope2d": _rope2d_case,
     }

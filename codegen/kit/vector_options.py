@@ -12,8 +12,10 @@ from ref import cache, moe_modes
 from ref.attention import mask
 from ref.blocking import MODES, BlockingConfig
 from ref.blocking import mode as blocking_mode
+from ref.gemma4.audio_config import AudioConfig
+from ref.gemma4.audio_packing import pack
 
-OPS = ("attention", "cache_update", "vision_attention", "pool", "rope2d", "moe")
+OPS = ("attention", "cache_update", "vision_attention", "audio_attention", "pool", "rope2d", "moe")
 ATTENTION_MODES = ("dense", *MODES)
 # The kit's one mode table: the ops that take --mode, their modes (the first is the default).
 # attention: ref.blocking's modes; moe: ref.moe_modes' (how QEfficient runs the experts).
@@ -21,6 +23,10 @@ OP_MODES = {"attention": ATTENTION_MODES, "moe": moe_modes.NAMES}
 # The nsp mode's counts at the kit's small default sizes (4 experts over 8 tokens: 2 cores of
 # 2 slots, 2 chunks); QEfficient compiles ref.moe_modes.NSP_DEFAULTS (16 cores, 256 rows).
 NSP_KIT_DEFAULTS = {"num_nsp": 2, "packed_chunk": 4}
+# The ops `plan` draws: the moded ones and the audio tower's chunked attention.
+PLAN_OPS = (*OP_MODES, "audio_attention")
+# The released audio chunking (12 queries, 12 past keys, cap 50): audio_attention's defaults.
+_AUDIO = AudioConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,28 @@ OPTIONS = {
         **_sizes(heads=4, kv_heads=2, head_dim=8),
         "varlen": Option(False, "bool", "ref computes per item over cu_seqlens, not by mask"),
     },
+    "audio_attention": {
+        "clips": Option(
+            "120,64,80",
+            "counts",
+            "valid log-mel frames of each packed clip (soft tokens: ceil(ceil(n/2)/2) each)",
+        ),
+        "frame_budget": Option(
+            None,
+            "int",
+            "N frames the call is sized for (filler tokens and chunks after the clips, "
+            "ref.gemma4.audio_packing.budgets); none: the clips' exact sizes",
+            True,
+        ),
+        "max_clips": Option(None, "int", "clips a frame budget has room for (none: given)", True),
+        **_sizes(heads=2, head_dim=8),
+        "chunk": Option(_AUDIO.attention_chunk_size, "int", "C, queries per chunk"),
+        "context_left": Option(
+            _AUDIO.attention_context_left, "int", "P + 1: a query sees itself and P - 1 past keys"
+        ),
+        "context_right": Option(_AUDIO.attention_context_right, "int", "F, future keys per chunk"),
+        "cap": Option(_AUDIO.attention_logit_cap, "float", "logit soft cap c*tanh(s/c), then mask"),
+    },
     "pool": {
         "grids": Option("3x6,6x3", "grids", _GRIDS_HELP + ", sides multiples of 3"),
         "budget": Option(None, "int", "soft-token budget (filler tokens pool the filler)", True),
@@ -137,12 +165,18 @@ def _parse_value(name, option, text):
             if not math.isfinite(value):
                 raise ValueError
             return value
+        if option.kind == "counts":
+            values = counts(low)
+            if min(values) < 0:
+                raise ValueError
+            return ",".join(map(str, values))
         grids = tuple(_grid(g) for g in low.split(",") if g)
         if not grids:
             raise ValueError
         return ",".join(f"{h}x{w}" for h, w in grids)
     except ValueError:
         expected = {"bool": "true or false", "int": "an integer", "float": "a finite number"}
+        expected["counts"] = "comma-separated integers >= 0 such as 120,64,80"
         want = expected.get(option.kind, "HxW grids such as 3x3,3x6")
         none = " or none" if option.optional else ""
         raise ValueError(f"option {name}={text!r}: expected {want}{none}") from None
@@ -158,6 +192,11 @@ def _grid(text):
 def grids(text):
     """'3x3,3x6' → ((3, 3), (3, 6))."""
     return tuple(_grid(g) for g in text.split(","))
+
+
+def counts(text):
+    """'120,64,80' → (120, 64, 80)."""
+    return tuple(int(c) for c in text.split(","))
 
 
 def parse_pairs(pairs):
@@ -285,6 +324,32 @@ def attention_mask(options):
         kv_group=kv_group,
     )
     return np.asarray(m)[:, 0]
+
+
+def audio_packing(options):
+    """The AudioConfig and the packing (`ref.gemma4.audio_packing.pack`) of resolved
+    audio_attention options → (config, packing); ValueError naming a bad size, chunking (by its
+    AudioConfig field) or budget."""
+    h, d = options["heads"], options["head_dim"]
+    if min(h, d) < 1:
+        raise ValueError(f"heads={h}, head_dim={d}: expected sizes >= 1")
+    config = AudioConfig(
+        hidden_size=h * d,
+        num_attention_heads=h,
+        attention_chunk_size=options["chunk"],
+        attention_context_left=options["context_left"],
+        attention_context_right=options["context_right"],
+        attention_logit_cap=options["cap"],
+    )
+    frames = counts(options["clips"])
+    packing = pack(
+        frames, config, frame_budget=options["frame_budget"], max_clips=options["max_clips"]
+    )
+    if not packing.num_real_tokens:
+        raise ValueError(
+            f"clips={options['clips']} give no soft token: expected a clip of at least 1 frame"
+        )
+    return config, packing
 
 
 def moe_mode(mode, options):
