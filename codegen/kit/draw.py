@@ -12,6 +12,7 @@ from codegen.kit.vector_options import attention_positions, attention_sizes
 
 _ALL_ROWS, _SOME_ROWS, _PADDING = "#6baed6", "#c6dbef", "#e0e0e0"
 _STATUS_COLORS = {"computed": "none", "empty": "#fdae6b", "skipped": "#bdbdbd"}
+_CLIP = "#d62728"
 
 
 def _panels(tiles):
@@ -33,46 +34,59 @@ def _panel_title(key, plan, group):
     return f"{where}, q heads {j0 * group + r0}:{j0 * group + r1}"
 
 
-def _draw_panel(ax, tiles, plan, visible, padding, t_len):
-    """One panel: visible [rows, S, T] of the block's batch rows, padding [S] (every row's
-    query is −1), its tiles, numbers and flow arrows → number of tiles drawn."""
+def _shade(ax, visible, padding):
+    """The mask: visible [rows, S, T] bool over keys 0 … T (dark where every row sees, light
+    where some do), grey bands on the queries where padding [S] is set."""
     from matplotlib import colors
-    from matplotlib.patches import Rectangle
 
-    s_len = visible.shape[1]
-    merge = plan.parallel and len(plan.kv) * plan.split > 1
-    margin = max(1.5, 0.18 * t_len) if merge else 0
+    s_len, t_len = visible.shape[1:]
     seen = visible.sum(0)
     shade = np.where(seen == visible.shape[0], 2, np.minimum(seen, 1))
     cmap = colors.ListedColormap(["white", _SOME_ROWS, _ALL_ROWS])
     ax.imshow(shade, cmap=cmap, vmin=0, vmax=2, extent=(0, t_len, s_len, 0), aspect="auto")
     for s in np.flatnonzero(padding):
         ax.axhspan(s, s + 1, color=_PADDING, zorder=0.5)
-    drawn = 0
+
+
+def _box(ax, q, kv, status, label, size):
+    """A tile over queries q × keys kv (half-open ranges), filled by its status, its label in
+    the middle."""
+    from matplotlib.patches import Rectangle
+
+    (q0, q1), (t0, t1) = q, kv
+    face = _STATUS_COLORS[status]
+    hatch = "///" if status == "skipped" else None
+    rect = Rectangle(
+        (t0, q0), t1 - t0, q1 - q0, facecolor=face, edgecolor="black", lw=1.6, hatch=hatch
+    )
+    rect.set_alpha(None if face == "none" else 0.75)
+    rect.set_gid("tile")
+    ax.add_patch(rect)
+    ax.text(
+        (t0 + t1) / 2, (q0 + q1) / 2, label, ha="center", va="center", fontsize=size, weight="bold"
+    )
+
+
+def _draw_panel(ax, tiles, plan, visible, padding, t_len):
+    """One panel: visible [rows, S, T] of the block's batch rows, padding [S] (every row's
+    query is −1), its tiles, numbers and flow arrows → number of tiles drawn."""
+    s_len = visible.shape[1]
+    merge = plan.parallel and len(plan.kv) * plan.split > 1
+    margin = max(1.5, 0.18 * t_len) if merge else 0
+    _shade(ax, visible, padding)
     size = 9 if len(tiles) <= 8 else 7
     for t in tiles:
-        (q0, q1), (t0, t1) = t.q, t.kv
-        face = _STATUS_COLORS[t.status]
-        hatch = "///" if t.status == "skipped" else None
-        rect = Rectangle(
-            (t0, q0), t1 - t0, q1 - q0, facecolor=face, edgecolor="black", lw=1.6, hatch=hatch
-        )
-        rect.set_alpha(None if face == "none" else 0.75)
-        rect.set_gid("tile")
-        ax.add_patch(rect)
-        drawn += 1
-        for a, _ in t.pieces[1:]:
-            ax.plot([a, a], [q0, q1], ls="--", color="black", lw=1.0)
-        xc, yc = (t0 + t1) / 2, (q0 + q1) / 2
         label = str(t.order) + (f"\n{len(t.pieces)} pieces" if len(t.pieces) > 1 else "")
-        ax.text(xc, yc, label, ha="center", va="center", fontsize=size, weight="bold")
+        _box(ax, t.q, t.kv, t.status, label, size)
+        for a, _ in t.pieces[1:]:
+            ax.plot([a, a], list(t.q), ls="--", color="black", lw=1.0)
     _draw_flow(ax, tiles, plan, t_len, margin)
     ax.set_xlim(0, t_len + margin)
     ax.set_ylim(s_len, 0)
     ax.set_xticks(sorted({0, t_len, *(t.kv[0] for t in tiles)}))
     ax.set_yticks(sorted({0, s_len, *(t.q[0] for t in tiles)}))
     ax.tick_params(labelsize=7)
-    return drawn
+    return len(tiles)
 
 
 def _draw_flow(ax, tiles, plan, t_len, margin):
@@ -106,9 +120,9 @@ def _draw_flow(ax, tiles, plan, t_len, margin):
 
 
 def draw(path, result, options, max_panels=16):
-    """Draw the schedule (attention; MoE: `draw_moe`) to a PNG at `path`; returns {"tiles":
-    drawn, "tiles_total": ..., "panels": drawn, "panels_total": ...} (also written into the
-    PNG's Description)."""
+    """Draw the schedule (attention; MoE: `draw_moe`; audio: `draw_audio`) to a PNG at `path`;
+    returns {"tiles": drawn, "tiles_total": ..., "panels": drawn, "panels_total": ...} (also
+    written into the PNG's Description)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,6 +131,8 @@ def draw(path, result, options, max_panels=16):
 
     if result.get("op") == "moe":
         return draw_moe(path, result)
+    if result.get("op") == "audio_attention":
+        return draw_audio(path, result)
     plan, tiles, visible = result["plan"], result["tiles"], result["visible"]
     _, h, hkv, s, t_len, _ = attention_sizes(options)
     q_pos = attention_positions(options)[0]
@@ -268,3 +284,73 @@ def draw_moe(path, result, max_panels=16):
     ]
     fig.legend(handles=legend, loc="outside lower center", ncol=2, fontsize=7)
     return _save(fig, path, drawn, len(items), len(shown), len(cores))
+
+
+def _zero_slots(ax, chunk):
+    """Hatch a chunk's window slots outside its clip (they read the zero row, masked)."""
+    from matplotlib.patches import Rectangle
+
+    (q0, q1), (w0, w1), (k0, k1) = chunk.queries, chunk.window, chunk.keys
+    for a, b in ((w0, k0), (k1, w1)):
+        if b > a:
+            face = _STATUS_COLORS["skipped"]
+            ax.add_patch(Rectangle((a, q0), b - a, q1 - q0, fc=face, hatch="///", lw=0, alpha=0.75))
+
+
+def draw_audio(path, result):
+    """The audio chunked attention (`codegen.kit.audio_schedule.report`) to a PNG: the packed
+    (query, key) plane shaded by the chunked mask, each chunk's C + P + F window a tile over its
+    queries (number: chunk row + 1), its slots outside the clip hatched, clip boundaries dashed,
+    filler tokens grey → the same dict as `draw` (filler chunks, with no query, not drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    packing, found, visible = result["packing"], result["chunks"], result["visible"]
+    real = [c for c in found if c.clip is not None]
+    filler = packing.segment_ids < 0
+    m = len(visible)
+    fig, ax = plt.subplots(figsize=(9.5, 9.0), layout="constrained")
+    _shade(ax, visible[None], filler)
+    for chunk in real:
+        _box(ax, chunk.queries, chunk.window, "computed", str(chunk.order), 9)
+        _zero_slots(ax, chunk)
+    bounds = [int(x) for x in packing.cu_tokens[1:]]
+    for x in bounds:
+        ax.axvline(x, color=_CLIP, ls="--", lw=1.2)
+        ax.axhline(x, color=_CLIP, ls="--", lw=1.2)
+    ax.set_xlim(min(0, *(c.window[0] for c in real)), max(m, *(c.window[1] for c in real)))
+    ax.set_ylim(m, 0)
+    ticks = sorted({0, m, *bounds, *(c.queries[0] for c in real)})
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.tick_params(labelsize=7)
+    ax.set_xlabel("key: packed soft token (clips back to back)", fontsize=8)
+    ax.set_ylabel("query: packed soft token", fontsize=8)
+    total, dense = result["total"], result["dense"]
+    extra = (
+        f" (+{len(found) - len(real)} filler chunks, no query)" if len(real) < len(found) else ""
+    )
+    fig.suptitle(
+        _wrap(result["title"], 110) + f"\n{len(real)} chunks{extra}; FLOPs "
+        f"{ratio(total.qk_flops + total.pv_flops, dense.qk_flops + dense.pv_flops)} of dense, "
+        f"exps {ratio(total.exps, dense.exps)}, peak working memory "
+        f"{ratio(total.peak, dense.peak)}",
+        fontsize=9,
+    )
+    legend = [
+        Patch(facecolor=_ALL_ROWS, label="visible (query, key): same clip, the query itself or "
+              "one of its P - 1 past keys (or F later)"),
+        Patch(facecolor="white", edgecolor="black", label="chunk: its queries x its C + P + F "
+              "window slots (number = chunk row + 1)"),
+        Patch(facecolor=_STATUS_COLORS["skipped"], hatch="///", label="window slot outside the "
+              "clip: reads the zero row, masked (-1e9 after the cap)"),
+        Line2D([], [], color=_CLIP, ls="--", label="clip boundary (cu_tokens)"),
+    ]  # fmt: skip
+    if filler.any():
+        legend.append(Patch(facecolor=_PADDING, label="filler token (segment_ids -1)"))
+    fig.legend(handles=legend, loc="outside lower center", ncol=2, fontsize=7)
+    return _save(fig, path, len(real), len(found), 1, 1)

@@ -233,6 +233,14 @@ def ratio(a, b):
     return f"{a / b:.3f}" if b else "-"
 
 
+def ratios(total, dense):
+    """Each count of `total` over dense's: 'qk_flops 1.000 pv_flops 1.000 …'."""
+    return " ".join(
+        f"{name} {ratio(getattr(total, name), getattr(dense, name))}"
+        for name in ("qk_flops", "pv_flops", "exps", "bytes", "peak")
+    )
+
+
 def table(title, tiles, per, total, dense, max_rows=48):
     """The printed table: one row per loop (the first `max_rows`), total, dense, ratio."""
     groups = loops(tiles)
@@ -244,11 +252,7 @@ def table(title, tiles, per, total, dense, max_rows=48):
         lines.append(_row(str(i + 1), group[0], cost))
     lines.append(_row("total", None, total))
     lines.append(_row("dense", None, dense))
-    ratios = " ".join(
-        f"{name} {ratio(getattr(total, name), getattr(dense, name))}"
-        for name in ("qk_flops", "pv_flops", "exps", "bytes", "peak")
-    )
-    lines.append(f"{'':>5} blocked/dense: {ratios}")
+    lines.append(f"{'':>5} blocked/dense: {ratios(total, dense)}")
     lines.append(
         "tiles c/e/s: computed / computed but fully masked / skipped (skip_kv); q/kv: query\n"
         "heads j*g + r, r in this range, of each kv head j; peak B: live float32 scores + states"
