@@ -9,7 +9,7 @@ from codegen.cli.parser import parser
 
 def _run_kit(args):
     """Run `vectors` or `plan`; a bad option is one line on stderr and exit code 2."""
-    from codegen.kit import draw, moe_schedule, schedule, vector_options, vectors
+    from codegen.kit import audio_schedule, draw, moe_schedule, schedule, vector_options, vectors
 
     sizes = [(k[5:], v) for k, v in vars(args).items() if k.startswith("size_") and v is not None]
     try:
@@ -21,7 +21,11 @@ def _run_kit(args):
             print(f"wrote {args.out / 'vectors.safetensors'} and {args.out / 'vectors.json'}")
             return 0
         mode, options = vector_options.resolve(args.op, args.mode, given)
-        result = (moe_schedule if args.op == "moe" else schedule).report(mode, options, args.dtype)
+        if args.op == "audio_attention":
+            result = audio_schedule.report(options, args.dtype)
+        else:
+            kit = moe_schedule if args.op == "moe" else schedule
+            result = kit.report(mode, options, args.dtype)
         print(result["table"])
         if args.png is not None:
             info = draw.draw(args.png, result, options)

@@ -8,7 +8,7 @@ from ref import formats
 
 def kit_parsers(sub):
     """The `vectors` and `plan` subcommands, their options in `--help` order."""
-    from codegen.kit.vector_options import OP_MODES, OPS
+    from codegen.kit.vector_options import OP_MODES, OPS, PLAN_OPS
 
     modes = "; ".join(f"{op}: {', '.join(m)} (default {m[0]})" for op, m in OP_MODES.items())
 
@@ -27,7 +27,9 @@ def kit_parsers(sub):
             metavar="K=V",
             help="an option of the op (repeatable): sizes, mask (q_start, sliding_window, "
             "vision, softcap, scale), any BlockingConfig field; moe: tokens, hidden, experts, "
-            "intermediate, top_k, hot, num_nsp, packed_chunk; see docs/blocking.md",
+            "intermediate, top_k, hot, num_nsp, packed_chunk; audio_attention: clips, "
+            "frame_budget, max_clips, heads, head_dim, chunk, context_left, context_right, cap; "
+            "see docs/blocking.md",
         )
         for name in ("batch", "heads", "kv_heads", "seq", "ctx", "head_dim"):
             flag = "--" + name.replace("_", "-")
@@ -39,8 +41,10 @@ def kit_parsers(sub):
     vec.add_argument("--seed", type=int, default=0, help="random input seed (default 0)")
     vec.add_argument("--fp16", action="store_true", help="add float16 inputs and out_f16")
     vec.add_argument("--bf16", action="store_true", help="add bfloat16 inputs and out_bf16")
-    pl = sub.add_parser("plan", help="one attention or MoE mode's schedule: costs and picture")
-    common(pl, tuple(OP_MODES))
+    pl = sub.add_parser(
+        "plan", help="one attention or MoE mode's schedule, or the audio chunks: costs, picture"
+    )
+    common(pl, PLAN_OPS)
     pl.add_argument("--png", type=Path, help="draw the schedule to this PNG file")
     pl.add_argument(
         "--dtype",
