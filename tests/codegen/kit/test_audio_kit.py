@@ -67,7 +67,7 @@ def pairs(segment_ids, past, future):
     return np.array([[sees(t, s, segment_ids, past, future) for s in range(m)] for t in range(m)])
 
 
-@settings(max_examples=examples(4))
+@settings(max_examples=examples(3))
 @given(given=audio_options(), seed=st.integers(0, 99))
 def test_golden_output_equals_the_dense_reference_on_the_stored_inputs(given, seed):
     t, meta = vectors.generate("audio_attention", given=given, seed=seed)
@@ -124,21 +124,29 @@ def test_each_chunk_reads_and_sees_what_the_dense_mask_allows(given):
     assert report["total"].empty == filler and report["total"].computed == len(real)
 
 
-def test_cli_vectors_reproduce_and_the_picture_draws_every_chunk(tmp_path, capsys):
-    out, png = tmp_path / "audio", tmp_path / "audio.png"
+# ref in float16 casts the -1e9 fill to -inf (numpy warns), as a float16 kernel would: its exp
+# is still 0, and every real query sees itself, so no row is all -inf
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_cli_writes_the_vectors_and_a_command_naming_every_option(tmp_path):
+    out = tmp_path / "audio"
     args = ["vectors", "--op", "audio_attention", "--opt", "frame_budget=280"]
     assert main([*args, "--opt", "max_clips=4", "--out", str(out), "--fp16"]) == 0
-    first = {p.name: p.read_bytes() for p in out.iterdir()}
-    meta = json.loads(first["vectors.json"])
-    assert "--opt clips=120,64,80" in meta["command"]
-    assert main(shlex.split(meta["command"])[3:]) == 0
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+    meta = json.loads((out / "vectors.json").read_text())
+    words = shlex.split(meta["command"])
+    given = dict(b.split("=", 1) for a, b in zip(words, words[1:], strict=False) if a == "--opt")
+    assert vector_options.resolve("audio_attention", None, given)[1] == meta["options"]
+    assert given["clips"] == "120,64,80" and words[-3:] == ["--seed", "0", "--fp16"]
     floats = {"q", "k", "v", "rel_k"}
     ints = {"chunk_queries", "chunk_keys", "token_slots", "segment_ids", "cu_tokens"}
     outputs = {"out_f64", "out_f32", "out_f16"}
     names = floats | {f"{n}_f16" for n in floats} | ints | outputs
     assert set(read_header(out / "vectors.safetensors")) == names
-    capsys.readouterr()
+    f16 = meta["tolerance"]["float16"]
+    assert 0 < f16["ref_error"] < f16["bound"] < 0.1
+
+
+def test_the_picture_draws_every_chunk_with_a_query(tmp_path, capsys):
+    png = tmp_path / "audio.png"
     plan = ["plan", "--op", "audio_attention", "--opt", "frame_budget=280"]
     assert main([*plan, "--png", str(png)]) == 0
     printed = capsys.readouterr().out
