@@ -40,8 +40,11 @@ PICTURES |= {
     "moe_gather": "--op moe --mode gather",
     "moe_nsp": "--op moe --mode nsp --opt hot=6",
 }
+# The audio tower's chunked attention (its own sizes): clips of 120, 64 and 80 frames and a
+# frame budget with room for a fourth clip (filler tokens and chunks), the released chunking
+PICTURES["audio_chunked"] = "--op audio_attention --opt frame_budget=280 --opt max_clips=4"
 for name, args in PICTURES.items():
-    sizes = [] if name.startswith("moe_") else shlex.split(SIZES)
+    sizes = [] if name.startswith(("moe_", "audio_")) else shlex.split(SIZES)
     argv = ["plan", *sizes, *shlex.split(args), "--png", f"docs/img/{name}.png"]
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         rc = main(argv)
