@@ -65,27 +65,32 @@ def chunk_masks(config, packing):
     return window(c, past, future)[None] & inside
 
 
+def _chunk(order, queries, keys, seen, segment_ids, past):
+    """One Chunk from its index rows: queries [C], keys [X] int (M: none), seen [C, X] bool;
+    segment_ids [M]; past P."""
+    m = len(segment_ids)
+    real = queries[queries < m]
+    if not len(real):
+        return Chunk(order, None, _NONE, _NONE, _NONE, _NONE, 0)
+    first = int(real[0]) - past
+    return Chunk(
+        order=order,
+        clip=int(segment_ids[real[0]]),
+        queries=_extent(real),
+        window=(first, first + len(keys)),
+        keys=_extent(keys[keys < m]),
+        seen=_extent(keys[seen.any(0)]),
+        visible=int(seen.sum()),
+    )
+
+
 def chunks(config, packing):
     """Every chunk in order → tuple of Chunk."""
-    a, m = packing.arrays, len(packing.segment_ids)
-    out = []
-    for b, (queries, keys, seen) in enumerate(
-        zip(a["chunk_queries"], a["chunk_keys"], chunk_masks(config, packing), strict=True)
-    ):
-        real = queries[queries < m]
-        first = int(real[0]) - config.max_past if len(real) else 0
-        out.append(
-            Chunk(
-                order=b + 1,
-                clip=int(packing.segment_ids[real[0]]) if len(real) else None,
-                queries=_extent(real),
-                window=(first, first + len(keys)) if len(real) else _NONE,
-                keys=_extent(keys[keys < m]),
-                seen=_extent(keys[seen.any(0)]),
-                visible=int(seen.sum()),
-            )
-        )
-    return tuple(out)
+    a = packing.arrays
+    rows = zip(a["chunk_queries"], a["chunk_keys"], chunk_masks(config, packing), strict=True)
+    return tuple(
+        _chunk(b + 1, *row, packing.segment_ids, config.max_past) for b, row in enumerate(rows)
+    )
 
 
 def visible_pairs(config, packing):
