@@ -206,7 +206,7 @@ class _FirstOverflow:
             raise _Overflow(name)
         kept = instances(model, self.keep)
         rounded = [(st[0], named.get(n, n)) for n, st in stats.items() if n not in kept]
-        self.top = max([self.top, *rounded])
+        self.top = max([self.top, *rounded], key=lambda t: t[0])  # ties: the first (0.0 at start)
 
 
 def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None):
