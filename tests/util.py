@@ -121,3 +121,44 @@ def write_av(path, codec, ints, rate, frames=0):
         for stream, items in streams:  # every stream added before the first packet
             for item in [*items, None]:
                 container.mux(stream.encode(item))
+
+
+def linked_copy(folder, tmp_path, graphs):
+    """tmp_path/copy: a copy of the export `folder` whose `graphs`' .onnx files a test may edit
+    (copied; the shards hard-linked, to be left unchanged)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy, copy_function=os.link)
+    for graph in graphs:
+        os.remove(copy / f"{graph}.onnx")
+        shutil.copyfile(folder / f"{graph}.onnx", copy / f"{graph}.onnx")
+    return copy
+
+
+def same_shape_pair(model, needle):
+    """Two external initializers of different layers of the ModelProto `model` whose names end
+    in `needle`, same shape and type."""
+    found = {}
+    for t in model.graph.initializer:
+        if t.name.endswith(needle):
+            found.setdefault((tuple(t.dims), t.data_type), []).append(t)
+    pair = next(ts for ts in found.values() if len(ts) >= 2)
+    return pair[0], pair[1]
+
+
+def layer_of(name):
+    """The layer index in a checkpoint name `….layers.N.…`."""
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def rebind(folder, graph, target, source):
+    """`graph`.onnx in `folder` with initializer `target` reading `source`'s bytes."""
+    import onnx
+
+    path = os.path.join(folder, f"{graph}.onnx")
+    model = onnx.load(path, load_external_data=False)
+    by_name = {t.name: t for t in model.graph.initializer}
+    del by_name[target].external_data[:]
+    by_name[target].external_data.extend(by_name[source].external_data)
+    tmp = path + ".tmp"
+    onnx.save(model, tmp)
+    os.replace(tmp, path)

@@ -1,12 +1,13 @@
 """`verify` layer by layer: a released-size graph checked in memory set by its largest layer.
 
-The exported graph calls one ONNX function per decoder layer. Its top-level nodes are cut into
-segments (`codegen.check.segments`): each layer call alone (with the Casts of its own weights), and
-the runs of glue between calls (embeddings, vision merge, masks, rotary tables, final norm,
-logits). `ref` runs the graph's composition eagerly with every layer's weights left out; when it
-reaches a layer, `check` reads that layer's weights from the shards, runs the `ref` layer, and
-runs in onnxruntime first the glue segments that come before the call, then the call alone on
-the same inputs `ref` gave its layer (so an error stays in the layer that made it).
+The exported graph calls one ONNX function per decoder, vision or audio (conformer) layer. Its
+top-level nodes are cut into segments (`codegen.check.segments`): each layer call alone (with the
+Casts of its own weights), and the runs of glue between calls (embeddings, vision merge, masks,
+rotary tables, the audio subsampling, final norm, logits, embed_audio). `ref` runs the graph's
+composition eagerly with every layer's weights left out; when it reaches a layer, `check` reads
+that layer's weights from the shards, runs the `ref` layer, and runs in onnxruntime first the
+glue segments that come before the call, then the call alone on the same inputs `ref` gave its
+layer (so an error stays in the layer that made it).
 onnxruntime's values that `ref` also has are compared where both exist: glue results against the
 `ref` layer's inputs, each call's results against the `ref` layer's results, the graph's other
 outputs against `ref`'s at the end. Then the layer's weights and sessions are dropped, and

@@ -24,6 +24,8 @@ RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reasso
 # Graphs whose float32 weights exceed this are checked layer by layer by default (every
 # released size; the tiny default model stays whole).
 LAYERWISE_BYTES = 256 << 20
+# the kinds of graph whose layer functions `check.layerwise` can check one call at a time
+LAYERED_KINDS = ("vision", "audio", "prefill", "decode", "speculate")
 
 
 def rebuild(entry, checkpoint):
@@ -78,11 +80,11 @@ def _layered(spec, model, folder, checkpoint, seed, log):
 
 
 def way(spec, entry, model, checkpoint, layerwise_given=None):
-    """ "layers" or "whole": how `verify` checks this graph (`model`, its ModelProto). Vision
-    and language graphs whose layers are ONNX functions go layer by layer when asked
+    """ "layers" or "whole": how `verify` checks this graph (`model`, its ModelProto). Vision,
+    audio and language graphs whose layers are ONNX functions go layer by layer when asked
     (layerwise_given True) or, by default, when their float32 weights exceed LAYERWISE_BYTES;
     everything else whole."""
-    if layerwise_given is False or entry.kind not in ("vision", "prefill", "decode", "speculate"):
+    if layerwise_given is False or entry.kind not in LAYERED_KINDS:
         return "whole"
     if not segments.has_layers(model):
         return "whole"

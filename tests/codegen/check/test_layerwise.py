@@ -8,7 +8,6 @@ same shape), so `ref` is untouched and onnxruntime computes with the wrong weigh
 """
 
 import os
-import shutil
 
 import numpy as np
 import onnx
@@ -23,6 +22,7 @@ from codegen.export.defaults import default_checkpoint
 from codegen.graphs import text_config
 from codegen.graphs.decoder import cache_owners
 from ref.attention import reference
+from tests.util import layer_of, linked_copy, rebind, same_shape_pair
 from weights import open_checkpoint
 
 LAYERED = ("vision", "prefill", "decode")
@@ -103,42 +103,10 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
         monkeypatch.undo()
 
 
-def _same_shape_pair(model, needle):
-    """Two external initializers of different layers whose names end in `needle`, same shape
-    and type."""
-    found = {}
-    for t in model.graph.initializer:
-        if t.name.endswith(needle):
-            found.setdefault((tuple(t.dims), t.data_type), []).append(t)
-    pair = next(ts for ts in found.values() if len(ts) >= 2)
-    return pair[0], pair[1]
-
-
-def _layer_of(name):
-    return int(name.split(".layers.")[1].split(".")[0])
-
-
-def _rebind(folder, graph, target, source):
-    """`graph`.onnx in `folder` with initializer `target` reading `source`'s bytes."""
-    path = os.path.join(folder, f"{graph}.onnx")
-    model = onnx.load(path, load_external_data=False)
-    by_name = {t.name: t for t in model.graph.initializer}
-    del by_name[target].external_data[:]
-    by_name[target].external_data.extend(by_name[source].external_data)
-    tmp = path + ".tmp"
-    onnx.save(model, tmp)
-    os.replace(tmp, path)
-
-
 @pytest.fixture
 def copy(out, tmp_path):
     """A copy of the export whose .onnx files a test may edit (shards hard-linked, unchanged)."""
-    folder = tmp_path / "copy"
-    shutil.copytree(out, folder, copy_function=os.link)
-    for graph in LAYERED:
-        os.remove(folder / f"{graph}.onnx")
-        shutil.copyfile(out / f"{graph}.onnx", folder / f"{graph}.onnx")
-    return folder
+    return linked_copy(out, tmp_path, LAYERED)
 
 
 def _spy_bound(monkeypatch):
@@ -166,8 +134,8 @@ def _spy_bound(monkeypatch):
 @pytest.mark.parametrize("graph", LAYERED)
 def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph, monkeypatch):
     model = onnx.load(copy / f"{graph}.onnx", load_external_data=False)
-    target, source = _same_shape_pair(model, DOWN_PROJ.get(graph, "mlp.down_proj.weight"))
-    _rebind(copy, graph, target.name, source.name)
+    target, source = same_shape_pair(model, DOWN_PROJ.get(graph, "mlp.down_proj.weight"))
+    rebind(copy, graph, target.name, source.name)
     calls = _spy_bound(monkeypatch)
     rows = verify(copy, seed=3, check_shards=False, layerwise_given=True, graphs=[graph])
     # every weight read from `ref`'s bytes is fed `ref`'s array; the rebound one is not
@@ -177,7 +145,7 @@ def test_a_layer_bound_to_another_layers_weight_is_named(copy, graph, monkeypatc
     monkeypatch.undo()
     bad = _bad(rows)
     assert bad and {r[0] for r in rows} == {graph}, rows
-    layer = f"layer {_layer_of(target.name)} "
+    layer = f"layer {layer_of(target.name)} "
     wrong = [r for r in bad if r[2] == "layer outputs"]
     assert wrong and all(r[5].startswith(layer) for r in wrong), bad
     # the whole-graph check fails on the same graph
@@ -190,7 +158,7 @@ def test_a_wrong_glue_weight_is_named_as_glue(copy):
     final = next(
         t.name for t in model.graph.initializer if t.name.endswith("language_model.norm.weight")
     )
-    _rebind(copy, "prefill", final, norms[0])
+    rebind(copy, "prefill", final, norms[0])
     rows = verify(copy, seed=4, check_shards=False, layerwise_given=True, graphs=["prefill"])
     bad = _bad(rows)
     assert [(r[0], r[2], r[5]) for r in bad] == [("prefill", "logits", "glue")], rows

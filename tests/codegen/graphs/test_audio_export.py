@@ -4,15 +4,20 @@ on drawn clips packed into a budget and gives `ref`'s `AudioTower.embed` of the 
 clip's soft tokens at its offset (`verify` checked the whole graph at every specialization on
 random packings during the export); its ops are on the QAIC allow-list (the export's check);
 a checkpoint without audio exports no audio graph; bad budgets are refused, naming the value.
+`verify` layer by layer (`codegen.check.layerwise`: the subsampling as glue, each AudioLayer call
+alone on `ref`'s inputs) gives the whole graph's verdict, and names the layer whose weight the
+graph reads from another layer's bytes.
 
 Tolerance: max |ort − ref| / max |ref| ≤ 1e-5 in float32 (measured 4e-7).
 """
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from codegen.check import verify as v
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
 from codegen.folder.sessions import open_session, read_manifest
@@ -21,9 +26,10 @@ from ref.gemma4.audio_packing import pack, pack_frames
 from ref.gemma4.audio_tower import AudioTower
 from tests.hf_audio import TINY_AUDIO
 from tests.text_oracle import hf_model, text_config
-from tests.util import examples, rel_err
+from tests.util import examples, layer_of, linked_copy, rebind, rel_err, same_shape_pair
 
 RTOL = 1e-5
+ONE = ["audio_20"]  # the specialization checked layer by layer
 BUDGETS, CLIPS = (20, 50), 3
 TWO_LAYERS = dict(TINY_AUDIO, num_hidden_layers=2)
 
@@ -96,3 +102,38 @@ def test_no_audio_graph_without_an_audio_tower(tmp_path):
 def test_bad_audio_budgets_are_refused(tmp_path, budgets, clips, message):
     with pytest.raises(ExportError, match=message):
         ExportOptions(out=tmp_path, audio_budgets=budgets, audio_clips=clips).validate()
+
+
+def _bad(rows):
+    return [r for r in rows if not r[-1]]
+
+
+def test_layer_by_layer_gives_the_whole_graph_verdict(exported, monkeypatch):
+    _, out, _ = exported
+    whole = v.verify(out, seed=2, check_shards=False, layerwise_given=False, specializations=ONE)
+    lines = []
+    layered = v.verify(out, seed=2, check_shards=False, layerwise_given=True,
+                       specializations=ONE, log=lines.append)  # fmt: skip
+    assert not _bad(whole) and not _bad(layered), _bad(whole) + _bad(layered)
+    assert [r[2] for r in layered] == ["audio_embeds", "layer inputs", "layer outputs"]
+    assert [r[5] for r in whole] == ["whole graph"] and layered[2][5].startswith("layer ")
+    assert sum("(AudioLayer) checked" in line for line in lines) == TWO_LAYERS["num_hidden_layers"]
+    # a tiny tower is checked whole by default; over the threshold, layer by layer
+    checkpoint = v.paired.open_export(str(out))
+    (entry,) = v.read_manifest(out, check_shards=False).graphs
+    spec = v.rebuild(entry, checkpoint)
+    model = v.load_graph(entry, str(out), checkpoint)
+    assert v.way(spec, entry, model, checkpoint) == "whole"
+    monkeypatch.setattr(v, "LAYERWISE_BYTES", v.float32_bytes(spec, checkpoint) - 1)
+    assert v.way(spec, entry, model, checkpoint) == "layers"
+
+
+def test_a_layer_bound_to_another_layers_weight_is_named(exported, tmp_path):
+    _, out, _ = exported
+    copy = linked_copy(out, tmp_path, ["audio"])
+    model = onnx.load(copy / "audio.onnx", load_external_data=False)
+    target, source = same_shape_pair(model, "feed_forward1.ffw_layer_2.linear.weight")
+    rebind(copy, "audio", target.name, source.name)
+    rows = v.verify(copy, seed=2, check_shards=False, layerwise_given=True, specializations=ONE)
+    where = f"layer {layer_of(target.name)} (AudioLayer)"
+    assert [(r[2], r[5]) for r in _bad(rows)] == [("layer outputs", where)], rows
