@@ -1,9 +1,10 @@
 """Weight-free export of the released Gemma 4 models at full size: time, memory, bytes copied.
 
-For each of E2B, 31B and 26B-A4B (`benchmarks/gemma4_configs.py`: the released config.json
+For each of E2B, E4B, 31B and 26B-A4B (`benchmarks/gemma4_configs.py`: the released config.json
 dicts) the benchmark writes a sparse checkpoint: config.json plus a bf16 tensor for every
 parameter the model has (`text_param_shapes`, `vision_param_shapes` under
-`model.vision_tower.`, and `EMBED_VISION`), sharded as transformers' `save_pretrained` does
+`model.vision_tower.`, and `EMBED_VISION`; E2B's and E4B's audio tower and embed_audio,
+`audio_param_shapes`), sharded as transformers' `save_pretrained` does
 (names in sorted order, greedily into shards of at most 5 GB,
 `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`). Each shard is a real
 safetensors header followed by a hole (`os.truncate`): the tens of GB of weights take no disk
@@ -14,8 +15,9 @@ It then runs, in a subprocess with the repository root as working folder,
     python -m codegen export --model CKPT --out OUT --budgets 280,1120 --seq-len 128 \\
         --ctx-len 8192 --no-verify --no-hash
 
-which writes the vision (one specialization per budget), prefill and decode graphs with
-external initializers pointing into hard links of the shards. Measured per model:
+which writes the vision (one specialization per budget), audio (E2B, E4B: the default audio
+budgets 188 and 750, 4 clips), prefill and decode graphs with external initializers pointing
+into hard links of the shards. Measured per model:
 - wall s: the whole child process, from spawn to exit (interpreter start, imports, reading
   the checkpoint headers, tracing, serializing, checks), `time.perf_counter` around it;
 - peak RSS: `os.wait4` on the child's pid returns its `ru_maxrss` (KiB on Linux): the high
@@ -28,7 +30,7 @@ inode) and still sparse; a copy is reported as a failure.
 Goal per model, on a 2-core machine: whole export < 30 s, peak RSS < 1.5 GB, 0 weight bytes
 copied. For scale, QEfficient publishes 65-568 s per graph for Gemma 4 E2B.
 
-    python benchmarks/export_weight_free.py [--models E2B,31B,26B-A4B] [--keep DIR]
+    python benchmarks/export_weight_free.py [--models E2B,E4B,31B,26B-A4B] [--keep DIR]
         [--seq-len 128] [--ctx-len 8192] [--compare-inline]
 
 `--compare-inline` also exports the first model with `--no-subfunctions` (repeated layers
@@ -55,6 +57,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemma4_configs import CONFIGS  # noqa: E402
 
+from codegen.graphs.audio import audio_param_shapes  # noqa: E402
+from ref.gemma4.audio_config import AudioConfig  # noqa: E402
 from ref.gemma4.config import VisionConfig  # noqa: E402
 from ref.gemma4.params import EMBED_VISION, text_param_shapes, vision_param_shapes  # noqa: E402
 from ref.gemma4.text_config import TextConfig  # noqa: E402
@@ -73,6 +77,8 @@ def tensor_shapes(config):
     for name, shape in vision_param_shapes(vision).items():
         shapes["model.vision_tower." + name] = shape
     shapes[EMBED_VISION] = (config["text_config"]["hidden_size"], vision.hidden_size)
+    if config.get("audio_config") is not None:
+        shapes.update(audio_param_shapes(AudioConfig.from_hf(config)))
     return {n: tuple(s) for n, s in sorted(shapes.items())}
 
 
@@ -102,11 +108,13 @@ def allocated(path):
     return os.stat(path).st_blocks * 512
 
 
-def write_sparse_checkpoint(folder, config):
-    """config.json + sharded sparse safetensors + index; -> logical bytes of the weights."""
+def write_sparse_checkpoint(folder, config, shapes=None):
+    """config.json + sharded sparse safetensors + index of the tensors `shapes` ({name:
+    shape}; default every parameter, `tensor_shapes`); -> (logical bytes of the weights,
+    shards)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    shapes = tensor_shapes(config)
+    shapes = tensor_shapes(config) if shapes is None else shapes
     plan = plan_shards({n: 2 * math.prod(s) for n, s in shapes.items()}, MAX_SHARD_BYTES)
     weight_map = {}
     for i, names in enumerate(plan):

