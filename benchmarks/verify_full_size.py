@@ -58,9 +58,13 @@ LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def _scale_of(name):
-    """(mean, std) of the random values of a tensor: norm scales near 1, the rest N(0, 0.02)."""
+    """(mean, std) of the random values of a tensor: norm scales near 1, a clipped linear's
+    bounds near ∓4 (unit-RMS inputs: they clip the tails only; near 0 they clipped every
+    value), the rest N(0, 0.02)."""
     if "norm" in name or name.endswith("layer_scalar"):
         return 1.0, 0.05
+    if name.endswith(("input_min", "output_min", "input_max", "output_max")):
+        return (-4.0 if name.endswith("min") else 4.0), 0.5
     return 0.0, 0.02
 
 
@@ -89,10 +93,10 @@ def chosen(names, random):
     return keep
 
 
-def write_checkpoint(folder, config, random, seed=0):
-    """A sparse checkpoint (export_weight_free) with the chosen tensors filled; -> bytes
-    filled."""
-    write_sparse_checkpoint(folder, config)
+def write_checkpoint(folder, config, random, seed=0, shapes=None):
+    """A sparse checkpoint (export_weight_free) of the tensors `shapes` (default all) with the
+    chosen tensors filled; -> bytes filled."""
+    write_sparse_checkpoint(folder, config, shapes)
     ckpt = open_checkpoint(folder)
     rng = np.random.default_rng(seed)
     done = 0
