@@ -3,7 +3,8 @@
 For each model asked for (`benchmarks/gemma4_configs.py`) the benchmark writes a checkpoint
 with the released shapes, sharded as `export_weight_free.py` shards it, whose tensors hold
 random bf16 values (normal, std 0.02 for matrices; near 1 for norm scales so activations stay
-in range): every tensor (`--random all`, the default for E2B), or the first `--random N`
+in range; clipped linears' bounds near ∓4, since 2026-12-06: before, near 0, they clipped every
+value): every tensor (`--random all`, the default for E2B), or the first `--random N`
 decoder layers of each kind plus every tensor outside the decoder layers, the rest left as
 holes that read as zeros (a 31B-shape checkpoint would otherwise write 58 GiB). It exports it
 (`--no-verify`, shapes from the options below) and runs, in a child process,
