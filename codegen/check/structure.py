@@ -19,10 +19,12 @@ import os
 import jax
 import onnx
 from jax._src import source_info_util
+from jax._src.export.shape_poly import UnexpectedDimVar
 from jax.extend.core import Literal
 from onnx import shape_inference
 
 from codegen.lower.ops import ALLOWED_OPS
+from codegen.lower.trace import symbols, traced_args
 
 
 class CheckError(ValueError):
@@ -136,21 +138,40 @@ def _concrete(model, spec, symbols):
     return m
 
 
-def abstract_inputs(spec, symbols):
-    """jax.ShapeDtypeStruct per graph input (not weights) at one specialization."""
-    return [jax.ShapeDtypeStruct(t.concrete(symbols), t.dtype) for t in spec.inputs]
-
-
-def ref_shapes(spec, symbols, weight_shapes):
-    """{output name: shape} that `spec.fn` (the ref composition) gives at `symbols`."""
+def ref_trace(spec, weight_shapes):
+    """`spec.fn` (the `ref` composition) as a ClosedJaxpr, traced as `codegen.lower.trace.trace`
+    traces it (static symbols bound to the first specialization, the others symbolic, int64
+    inputs as int32, x64 off), each layer kind once; weight_shapes: {checkpoint name: shape}."""
     from codegen.graphs import layer_scope
 
-    args = abstract_inputs(spec, symbols) + [
-        jax.ShapeDtypeStruct(weight_shapes[n], "float32") for n in spec.weights
-    ]
-    with layer_scope(once=True):
-        out = jax.eval_shape(spec.fn, *args)
-    return {t.name: tuple(o.shape) for t, o in zip(spec.outputs, out, strict=True)}
+    args = traced_args(spec, weight_shapes, symbols(spec, every=True))
+    with jax.enable_x64(False), layer_scope(once=True):
+        return jax.make_jaxpr(spec.fn)(*args)
+
+
+def ref_shapes(spec, closed):
+    """{specialization name: {output name: shape}} that `ref` gives, from its one symbolic trace
+    `closed` (`ref_trace`), each output dim evaluated at the specialization's symbols."""
+    return {
+        s["name"]: {
+            t.name: tuple(_at(d, s["symbols"], spec, t) for d in aval.shape)
+            for t, aval in zip(spec.outputs, closed.out_avals, strict=True)
+        }
+        for s in spec.specializations
+    }
+
+
+def _at(dim, symbols, spec, tensor):
+    """A dim of the symbolic trace (an int or an expression of the symbols) at `symbols`."""
+    if isinstance(dim, int):
+        return dim
+    try:  # JAX's own evaluation of its expressions (jax pinned at 0.10 by jax2onnx)
+        return int(dim._evaluate(symbols))
+    except (KeyError, UnexpectedDimVar) as e:
+        raise CheckError(
+            f"{spec.name}: ref gives output {tensor.name!r} the dim {dim}: expected an "
+            f"expression of the specialization's symbols {sorted(symbols)}"
+        ) from e
 
 
 def _dims(value, symbols=None):
@@ -162,11 +183,10 @@ def _dims(value, symbols=None):
     )
 
 
-def inferred_shapes(model, spec, weight_shapes, known=None):
+def inferred_shapes(model, spec, want):
     """At every specialization, each output's shape as the graph declares it, as ONNX shape
-    inference derives it, and as the spec declares it all equal what `ref` gives. known:
-    {specialization name: {output name: shape}} `ref` was already traced for (see
-    `no_unclamped_dynamic_slice`)."""
+    inference derives it, and as the spec declares it all equal `want`: {specialization name:
+    {output name: shape}} that `ref` gives (`no_unclamped_dynamic_slice`, `ref_shapes`)."""
     declared_by_graph = {o.name: o for o in model.graph.output}
     for s in spec.specializations:
         symbols = s["symbols"]
@@ -177,17 +197,17 @@ def inferred_shapes(model, spec, weight_shapes, known=None):
         except onnx.shape_inference.InferenceError as e:
             raise CheckError(f"{spec.name} at {s['name']}: shape inference failed: {e}") from e
         got = {o.name: _dims(o) for o in inferred.graph.output}
-        want = (known or {}).get(s["name"]) or ref_shapes(spec, symbols, weight_shapes)
         for t in spec.outputs:
+            ref = want[s["name"]][t.name]
             shapes = {
                 "graph declares": _dims(declared_by_graph[t.name], symbols),
                 "inference gives": got.get(t.name),
                 "spec declares": t.concrete(symbols),
             }
-            wrong = {k: v for k, v in shapes.items() if v != want[t.name]}
+            wrong = {k: v for k, v in shapes.items() if v != ref}
             if wrong:
                 raise CheckError(
-                    f"{spec.name} at {s['name']}: output {t.name!r}: ref gives {want[t.name]}, "
+                    f"{spec.name} at {s['name']}: output {t.name!r}: ref gives {ref}, "
                     + ", ".join(f"{k} {v}" for k, v in wrong.items())
                 )
 
@@ -220,20 +240,13 @@ def _dynamic_slices(jaxpr, seen=None):
 
 def no_unclamped_dynamic_slice(spec, weight_shapes):
     """Refuse a `dynamic_slice`/`dynamic_update_slice` whose start is computed at run time
-    (a start folded from constants is fine). → {output name: shape} at the first
-    specialization, which this trace of `ref` gives as `ref_shapes` would."""
-    from codegen.graphs import layer_scope
-
-    symbols = spec.specializations[0]["symbols"]
-    args = abstract_inputs(spec, symbols) + [
-        jax.ShapeDtypeStruct(weight_shapes[n], "float32") for n in spec.weights
-    ]
-    with layer_scope(once=True):
-        closed = jax.make_jaxpr(spec.fn)(*args)
+    (a start folded from constants is fine), in the trace of `ref` the export lowers
+    (`ref_trace`). → `ref_shapes` of that trace: the output shapes at every specialization."""
+    closed = ref_trace(spec, weight_shapes)
     for eqn in _dynamic_slices(closed.jaxpr):
         where = source_info_util.summarize(eqn.source_info)
         raise CheckError(
             f"{spec.name}: {eqn.primitive.name} with a run-time start at {where}: "
             "jax2onnx does not clamp it as JAX does; use a static slice or a gather"
         )
-    return {t.name: tuple(a.shape) for t, a in zip(spec.outputs, closed.out_avals, strict=True)}
+    return ref_shapes(spec, closed)

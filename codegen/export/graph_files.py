@@ -35,7 +35,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
     `codegen.folder.manifest.Graph`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     t0 = time.perf_counter()
-    first = {spec.specializations[0]["name"]: checks.no_unclamped_dynamic_slice(spec, shapes)}
+    want = checks.no_unclamped_dynamic_slice(spec, shapes)
     model = trace(spec, checkpoint.tensors)
     traced = time.perf_counter() - t0
     weight_spec = None
@@ -53,7 +53,7 @@ def write_graph(spec, checkpoint, folder, opts, log):
     checks.checker(model)
     checks.external_paths(model, folder)
     checks.allowed_ops(model)
-    checks.inferred_shapes(model, spec, shapes, known=first)
+    checks.inferred_shapes(model, spec, want)
     checked = time.perf_counter() - t1
     atomic_text(
         os.path.join(folder, f"{spec.name}.specializations.json"),

@@ -255,8 +255,15 @@ class _Slot:
 
 
 def _layer_body(name, *arrays):
-    """A routed layer's distinct results (module from the slot `name` of `_LAYER`)."""
-    return _LAYER.get()[name].results(arrays)[0]
+    """A routed layer's distinct results (module from the slot `name` of `_LAYER`); the first
+    trace of a kind in a scope records its outputs' tree and out_map in the slot, so the caller
+    needs no trace of its own to rebuild them."""
+    state = _LAYER.get()
+    slot = state[name]
+    distinct, out_map, tree = slot.results(arrays)
+    if slot.out_tree is None:
+        state[name] = dataclasses.replace(slot, out_tree=tree, out_map=out_map)
+    return distinct
 
 
 def layer_function(name):
@@ -311,7 +318,15 @@ def route_layers(layer_type, use_functions, kind):
         if not use_functions:
             hook = _CHECK.get()
             return slot.apply(inputs) if hook is None else hook(module, name, slot, arrays)
-        if slot.out_tree is None:
+        fn = globals()[layer_function(name)]
+        once = _ONCE.get()
+        if once is not None:
+            if name not in once:  # a new function per scope: JAX shares traces across jits
+                once[name] = jax.jit(functools.partial(fn))
+            fn = once[name]
+        made = fn(*inputs)
+        slot = state[name]
+        if slot.out_tree is None:  # the call reused a trace made before this scope
             found = {}
 
             def probe(*a):
@@ -321,13 +336,6 @@ def route_layers(layer_type, use_functions, kind):
             jax.eval_shape(probe, *inputs)
             slot = dataclasses.replace(slot, out_tree=found["tree"], out_map=found["map"])
             state[name] = slot
-        fn = globals()[layer_function(name)]
-        once = _ONCE.get()
-        if once is not None:
-            if name not in once:  # a new function per scope: JAX shares traces across jits
-                once[name] = jax.jit(functools.partial(fn))
-            fn = once[name]
-        made = fn(*inputs)
         return slot.outputs(inputs, made)
 
     return interceptor

@@ -194,15 +194,18 @@ def _fast_numpy_tensors():
         ir.tensor = old
 
 
-def _symbols(spec):
+def symbols(spec, every=False):
     """{symbol: its dimension} for the symbols the trace leaves symbolic, made in one scope
     with the spec's constraints (a plain string symbol knows none: "comparison 'n' <= '64' is
-    inconclusive" at a slice to it); {} without constraints (jax2onnx makes them)."""
-    if not spec.constraints:
+    inconclusive" at a slice to it); without constraints {} (jax2onnx makes them from their
+    names) unless `every` (a trace outside jax2onnx needs them made)."""
+    if not (spec.constraints or every):
         return {}
     names = sorted(
         {d for t in spec.inputs for d in t.shape if isinstance(d, str)} - set(spec.static)
     )
+    if not names:
+        return {}
     dims = jax_export.symbolic_shape(",".join(names), constraints=spec.constraints)
     return dict(zip(names, dims, strict=True))
 
@@ -213,15 +216,22 @@ def trace_dtype(dtype):
     return "int32" if dtype == "int64" else dtype
 
 
-def trace(spec, tensors):
-    """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
+def traced_args(spec, weight_shapes, dims):
+    """jax.ShapeDtypeStruct of each input then each weight as the trace takes them: static
+    symbols bound to the first specialization's values, the others `dims` (`symbols`) or their
+    names; weight_shapes: {checkpoint name: shape}."""
     first = spec.specializations[0]["symbols"]
-    bound = {k: v for k, v in first.items() if k in spec.static} | _symbols(spec)
+    bound = {k: v for k, v in first.items() if k in spec.static} | dims
     args = [
         jax.ShapeDtypeStruct(tuple(bound.get(d, d) for d in t.shape), trace_dtype(t.dtype))
         for t in spec.inputs
     ]
-    args += [jax.ShapeDtypeStruct(tensors[n].shape, "float32") for n in spec.weights]
+    return args + [jax.ShapeDtypeStruct(tuple(weight_shapes[n]), "float32") for n in spec.weights]
+
+
+def trace(spec, tensors):
+    """ONNX ModelProto of `spec.fn` with weights as float32 graph inputs (none materialized)."""
+    args = traced_args(spec, {n: t.shape for n, t in tensors.items()}, symbols(spec))
     _load_jax_plugins()
     with (
         jax.enable_x64(False),

@@ -71,7 +71,7 @@ def test_shape_check_catches_jax2onnx_symbolic_concat():
     )
     model = trace(spec, {"w": _Info((4,))})
     with pytest.raises(checks.CheckError, match=r"ref gives \(5, 4\), graph declares \(2, 4\)"):
-        checks.inferred_shapes(model, spec, {"w": (4,)})
+        checks.inferred_shapes(model, spec, checks.no_unclamped_dynamic_slice(spec, {"w": (4,)}))
 
 
 def test_shape_check_passes_a_right_graph_and_catches_a_wrong_spec():
@@ -87,12 +87,12 @@ def test_shape_check_passes_a_right_graph_and_catches_a_wrong_spec():
         ({"name": "s", "symbols": {"n": 3}},),
     )
     model = trace(ok, {"w": _Info((4,))})
-    checks.inferred_shapes(model, ok, {"w": (4,)})
+    checks.inferred_shapes(model, ok, checks.no_unclamped_dynamic_slice(ok, {"w": (4,)}))
     wrong = _spec(
         fn, inputs, (graphs.Tensor("out", ("n", 5), "float32"),), ["w"], ok.specializations
     )
     with pytest.raises(checks.CheckError, match="spec declares"):
-        checks.inferred_shapes(model, wrong, {"w": (4,)})
+        checks.inferred_shapes(model, wrong, checks.no_unclamped_dynamic_slice(ok, {"w": (4,)}))
 
 
 @pytest.mark.parametrize("traced_start", [True, False])
@@ -156,16 +156,17 @@ def test_dynamic_slice_guard_sees_into_layer_functions():
     )
     shapes = {"w0": (2,), "w1": (2,)}
     weights = [jax.ShapeDtypeStruct((2,), "float32")] * 2
+    inputs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in spec.inputs]
     with graphs.layer_scope(once=True):  # a new outer function: make_jaxpr caches by function
-        closed = jax.make_jaxpr(lambda *a: fn(*a))(*checks.abstract_inputs(spec, {}), *weights)
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*inputs, *weights)
     layers = [e.params["jaxpr"] for e in closed.jaxpr.eqns if "jaxpr" in e.params]
     assert len(layers) == 2 and layers[0] is layers[1]  # traced once, called twice
     assert "2.5" in str(layers[0])
     scale["value"] = 3.5  # same shapes, another layer body: traced again in a new scope
     with graphs.layer_scope(once=True):  # a new outer function: make_jaxpr caches by function
-        closed = jax.make_jaxpr(lambda *a: fn(*a))(*checks.abstract_inputs(spec, {}), *weights)
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*inputs, *weights)
     assert "3.5" in str(closed) and "2.5" not in str(closed)
-    assert checks.ref_shapes(spec, {}, shapes) == {"out": (6,)}
+    assert checks.ref_shapes(spec, checks.ref_trace(spec, shapes)) == {"s": {"out": (6,)}}
     with pytest.raises(checks.CheckError, match="dynamic_slice with a run-time start"):
         checks.no_unclamped_dynamic_slice(spec, shapes)
 
