@@ -74,8 +74,11 @@ def softplus(x):
 
 
 def clamp(x, bound):
-    """x clamped to ±bound (transformers' gradient_clipping, at most the dtype's largest)."""
-    bound = min(float(bound), float(jnp.finfo(x.dtype).max))
+    """x clamped to ±bound (transformers' gradient_clipping, at most the dtype's largest). The
+    bound is a constant of x's dtype: a Python float is converted inside the traced function,
+    and that conversion of the released 1e10 to float16 read as an overflow of its own in
+    `ref.numerics.probe`, where the graph's Clip reads it as the constant ±inf it is."""
+    bound = np.asarray(min(float(bound), float(jnp.finfo(x.dtype).max)), x.dtype)
     return jnp.clip(x, -bound, bound)
 
 

@@ -8,7 +8,8 @@ npos − 1 − j, projected by `relative_k_proj`; `rel_shift` gives slot c of qu
 (zero where that is npos or more). Then the soft cap `cap · tanh(s / cap)`, then the mask:
 slot c is visible from query i when its distance d = P + i − c is 0 ≤ d < P or 0 < −d < F
 (transformers' sliding window) and the key is in the clip; hidden ones get `invalid` (−1e9),
-whose exp is exactly 0. Softmax in float32 (at least).
+whose exp is exactly 0, or −cap − 128 in its place (`mask_fill`: the same softmax in float32,
+and finite in float16). Softmax in float32 (at least).
 
 With P = C = 12, F = 0 (the released config) a frame sees itself and its 11 past frames, the
 pair at distance d reading row 12 − d, the sinusoid of position d. Chunk boundaries never change
@@ -62,6 +63,14 @@ def capped_masked_logits(scores, visible, cap, invalid):
     return jnp.where(visible, capped, jnp.asarray(invalid, scores.dtype))
 
 
+def mask_fill(invalid, cap):
+    """The logit hidden keys get: max(invalid, −cap − 128). Float32 gives both the same softmax
+    (a visible logit is above −cap, and e^−128 underflows to 0; a row with every key hidden
+    averages either way); transformers' −1e9 rounds to −inf in float16, where the filler chunks'
+    rows, every key hidden, turned softmax NaN (`verify --precision fp16` named it)."""
+    return max(float(invalid), -float(cap) - 128.0)
+
+
 def chunked_attention(q, k, v, rel_k, queries, keys, slots, *, past, future, cap, invalid):
     """Chunked local attention of packed clips.
 
@@ -77,7 +86,9 @@ def chunked_attention(q, k, v, rel_k, queries, keys, slots, *, past, future, cap
     ac = jnp.matmul(qc, jnp.swapaxes(kc, -1, -2))  # [B, H, C, X]
     bd = jnp.matmul(qc, jnp.transpose(rel_k, (1, 2, 0)).astype(q.dtype))  # [B, H, C, npos]
     visible = jnp.asarray(window(c, past, future)) & (keys < m)[:, None, None, :]
-    logits = capped_masked_logits(ac + rel_shift(bd, context), visible, cap, invalid)
+    logits = capped_masked_logits(
+        ac + rel_shift(bd, context), visible, cap, mask_fill(invalid, cap)
+    )
     acc = jnp.promote_types(q.dtype, jnp.float32)
     weights = jax.nn.softmax(logits.astype(acc), axis=-1).astype(v.dtype)
     out = jnp.swapaxes(jnp.matmul(weights, vc), 1, 2).reshape(b * c, h, d)
