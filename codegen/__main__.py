@@ -72,6 +72,7 @@ def _run_precision(args):
             args.out, args.precision, kv_dtype=args.kv_dtype, seed=args.seed,
             check_shards=not args.skip_shard_check, graphs=args.graphs, log=log,
             mxfp6=args.mxfp6, prompts=args.prompts, layerwise_given=args.layerwise,
+            specializations=args.specializations,
         )  # fmt: skip
         print(plans_table(plans, args.precision))
         return 0

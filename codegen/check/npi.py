@@ -183,17 +183,20 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
-                log=None, mxfp6=None, prompts=None, layerwise_given=None):  # fmt: skip
+                log=None, mxfp6=None, prompts=None, layerwise_given=None,
+                specializations=None):  # fmt: skip
     """Plan every chosen graph of an export and write `<graph>.npi.yaml` beside it (a graph
     whose plan is empty gets no file, and an old one is removed) → [(graph, kept names, found
-    rows, headroom)]. mxfp6: an MXFP6 element format the device graph's matmul weights are
-    stored in while planning (`codegen.check.mxfp6_weights`), or None; prompts: a requests
+    rows, headroom)]. graphs, specializations: the names of those to plan on (default all, as
+    `verify.selected` chooses; the plan then holds what those inputs overflow). mxfp6: an
+    MXFP6 element format the device graph's matmul weights are stored in while planning
+    (`codegen.check.mxfp6_weights`), or None; prompts: a requests
     file whose graph calls are the calibration inputs (`codegen.check.calibration`) instead
     of verify's drawn ones; layerwise_given: `verify`'s --layerwise/--whole (None: its
     default by size), a graph checked layer by layer planned by `plan_layers`."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
-    folder, checkpoint, chosen = opened(folder, check_shards, graphs, None)
+    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     calls = None
     if prompts is not None:
         calls = calibration.recorded_feeds(folder, prompts, check_shards=check_shards, log=log)

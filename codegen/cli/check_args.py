@@ -29,7 +29,8 @@ def verify_parser(sub):
         dest="specializations",
         metavar="NAME",
         help="check only this specialization, e.g. prefill_1120 (repeatable; default all; its "
-        "random inputs are the same as when all are checked)",
+        "random inputs are the same as when all are checked; with --write-npi the plan is "
+        "calibrated on its inputs alone)",
     )
     how = v.add_mutually_exclusive_group()
     how.add_argument(

@@ -7,9 +7,14 @@ a checkpoint without audio exports no audio graph; bad budgets are refused, nami
 `verify` layer by layer (`codegen.check.layerwise`: the subsampling as glue, each AudioLayer call
 alone on `ref`'s inputs) gives the whole graph's verdict, and names the layer whose weight the
 graph reads from another layer's bytes.
+`verify --precision` runs the device model on it (docs/precision.md, "Audio"): finite in float16
+and bfloat16 on drawn clips; a checkpoint built to overflow an RMSNorm's x·x is named there by
+both device models, and the plan `--write-npi` writes keeps it.
 
 Tolerance: max |ort − ref| / max |ref| ≤ 1e-5 in float32 (measured 4e-7).
 """
+
+import re
 
 import numpy as np
 import onnx
@@ -17,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from codegen.__main__ import main
 from codegen.check import verify as v
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
@@ -26,7 +32,16 @@ from ref.gemma4.audio_packing import pack, pack_frames
 from ref.gemma4.audio_tower import AudioTower
 from tests.hf_audio import TINY_AUDIO
 from tests.text_oracle import hf_model, text_config
-from tests.util import examples, layer_of, linked_copy, rebind, rel_err, same_shape_pair
+from tests.util import (
+    examples,
+    folder_copy,
+    layer_of,
+    linked_copy,
+    rebind,
+    rel_err,
+    same_shape_pair,
+)
+from weights.safetensors import read_header
 
 RTOL = 1e-5
 ONE = ["audio_20"]  # the specialization checked layer by layer
@@ -79,6 +94,62 @@ def test_onnxruntime_equals_ref_on_packed_clips(exported, frames, seed):
     want, counts = tower.embed(clips)
     assert counts == packing.token_counts
     assert rel_err(got[: packing.num_real_tokens], want) <= RTOL
+
+
+def _overwrite(folder, new):
+    """Overwrite tensors of the export `folder`'s shards in place: new[name](its values as
+    float32) stored in its own dtype, at its own byte range."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        for name, info in read_header(shard).items():
+            if name in new:
+                with open(shard, "r+b") as f:
+                    f.seek(info.offset)
+                    values = np.frombuffer(f.read(info.nbytes), info.np_dtype)
+                    f.seek(info.offset)
+                    f.write(np.asarray(new[name](values.astype(np.float32)), info.np_dtype))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_verify_precision_keeps_the_audio_graph_finite(exported, capsys, precision):
+    """Drawn clips with filler chunks, whose rows hide every key (transformers' −1e9 fill is
+    −inf in float16, and those rows' softmax was NaN), through clamps whose bound, 1e10, is
+    beyond float16 (it read as an overflow in ref's device model)."""
+    _, out, _ = exported
+    assert main(["verify", str(out), "--precision", precision, "--specialization", "audio_20"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^audio +audio_20 +layers\.1 ", text, re.M)  # the device model ran on it
+    assert "no tensor of the graphs leaves the" in text
+
+
+FFW_2 = "model.audio_tower.layers.0.feed_forward1.ffw_layer_2."
+
+
+def test_verify_precision_names_an_rms_norm_overflow_and_the_plan_keeps_it(
+    exported, tmp_path, capsys
+):
+    """Layer 0's first ffw_layer_2 ×500 with its output bounds at ±60,000: its outputs (~10³)
+    fit float16, and the gradient_clipping clamp after it (1e10) bounds nothing, so
+    post_layer_norm's x·x passes 65,504. Both device models name that product in layer 0; the
+    plan keeps it in both AudioLayer calls, with the mean of squares and its + eps, and both
+    stay finite with it (ref's side does not part from the graph's)."""
+    _, out, _ = exported
+    copy = folder_copy(out, tmp_path)
+    _overwrite(copy, {FFW_2 + "linear.weight": lambda w: 500 * w,
+                      FFW_2 + "output_min": lambda b: b * 0 - 6e4,
+                      FFW_2 + "output_max": lambda b: b * 0 + 6e4})  # fmt: skip
+    args = ["verify", str(copy), "--precision", "fp16", "--specialization", "audio_20"]
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    assert "ref: mul [22, 16] in layers.0.feed_forward1.post_layer_norm turns non-finite" in text
+    assert "onnx: tensor 'AudioLayer/mul_out_3__1' (Mul of 'AudioLayer/clip_out_5__1'" in text
+    assert main([*args, "--write-npi"]) == 0
+    plan = capsys.readouterr().out
+    assert "audio: 3 node(s) in float32 (6 in all calls)" in plan
+    kept = ("AudioLayer/mul_out_3 (Mul) in each of AudioLayer's 2 call(s) = ref "
+            "layers.0.feed_forward1.post_layer_norm:mul#0, "
+            "layers.1.feed_forward1.post_layer_norm:mul#0")  # fmt: skip
+    assert kept in plan and "ref parts" not in plan
+    assert (copy / "audio.npi.yaml").exists()
 
 
 def test_no_audio_graph_without_an_audio_tower(tmp_path):
