@@ -208,7 +208,8 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
             feeds = ((label, stored_feed(spec, f, kv)) for label, f in calls[entry.kind])
         else:
             raise PlanError(f"{spec.name}: no request in {prompts} calls this graph (the vision "
-                            "graph needs a request with an image or a video)")  # fmt: skip
+                            "graph needs a request with an image or a video, the audio graph "
+                            "one with audios)")  # fmt: skip
         if way(spec, entry, model, checkpoint, layerwise_given) == "layers":
             log(f"{spec.name}: planned layer by layer")
             ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log),

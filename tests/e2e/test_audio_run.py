@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from codegen.__main__ import main
+from codegen.check.calibration import recorded_feeds
 from codegen.export.command import ExportOptions, export
 from codegen.run.commands import read_requests
 from codegen.run.runtime import RunError, Runner
@@ -144,6 +145,19 @@ def test_serve_requests_with_audios_get_transformers_tokens(exported, tmp_path):
         )
         with pytest.raises(RunError, match=re.escape(f"--audio {tmp_path / name}: {message}")):
             read_requests(path, runner)
+
+
+def test_plan_calibration_runs_the_requests_clips_through_the_audio_graph(exported, tmp_path):
+    """`verify --write-npi --prompts FILE` calibrates on each request's graph calls: a request
+    with "audios" gives the audio graph's calls (its clips were dropped, and the request refused
+    for an audio run without a clip)."""
+    _, out = exported
+    write_wav(tmp_path / "a.wav", np.random.default_rng(1).integers(-12_000, 12_000, (6_000, 1)),
+              16_000)  # fmt: skip
+    asks = dict(prompt="look at <|audio|> then", audios=["a.wav"], chat=False, max_new_tokens=1)
+    (tmp_path / "asks.jsonl").write_text(json.dumps(asks))
+    calls = recorded_feeds(out, tmp_path / "asks.jsonl", check_shards=False)
+    assert [label for label, _ in calls["audio"]] == ["request 1 audio 1"]
 
 
 def _bad_files(folder):
