@@ -9,6 +9,7 @@ import wave
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import settings
 
 
@@ -162,3 +163,14 @@ def rebind(folder, graph, target, source):
     tmp = path + ".tmp"
     onnx.save(model, tmp)
     os.replace(tmp, path)
+
+
+def released_template():
+    """The released Gemma 4 instruct chat template, test data in ../shared/gemma4/ beside the
+    checkout (never copied into the project); the test skips, saying why, where it is absent."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "gemma4")
+    path = os.path.join(os.path.abspath(path), "chat_template.jinja")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is absent: the released template is test data beside the checkout")
+    with open(path, encoding="utf-8") as f:
+        return f.read()

@@ -45,7 +45,7 @@ def serve_parser(sub):
         required=True,
         metavar="FILE.jsonl",
         help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images, "
-        "videos, video_fps, audios}, "
+        "videos, video_fps, audios} or {messages} (a conversation, as run's --messages), "
         "max_new_tokens (16), arrival (the step it joins at, 0), chat (as run's --chat), "
         "sample, temperature, top_k, top_p, seed (each request's own; the options below are "
         "the defaults)",
@@ -67,6 +67,22 @@ def _prompt_arguments(r):
         help="the prompt as text, one image placeholder (<|image|>) per --image and one "
         "<|video|> per --video; needs the checkpoint's tokenizer.json (copied into the export "
         "folder)",
+    )
+    r.add_argument(
+        "--system",
+        metavar="TEXT",
+        help="a system turn before --prompt's user turn (rendered by the chat template)",
+    )
+    r.add_argument(
+        "--messages",
+        type=Path,
+        metavar="FILE.json",
+        help="a conversation instead of --prompt: a JSON list of messages as transformers' "
+        "apply_chat_template takes them (role system, user, assistant or tool; content a "
+        'string or a list of {"type": "text", "text": ...} and {"type": "image"|"video"|"audio", '
+        '"path": FILE} items, paths relative to the file\'s folder), rendered with the '
+        "checkpoint's chat template and a generation prompt; its media are read in order as "
+        "--image, --video and --audio read them",
     )
     r.add_argument(
         "--image",

@@ -2,8 +2,11 @@
 (`Gemma4Processor.apply_chat_template(add_generation_prompt=True)`): a Jinja2 sandbox with
 transformers' settings (trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
 `strftime_now`, a `tojson` that does not escape HTML), the tokenizer's named special tokens
-(bos_token, eos_token, …) as variables, and one user message whose content lists the images,
-videos and text in the order the prompt gives them.
+(bos_token, eos_token, …) as variables, and either one user message whose content lists the
+images, videos and text in the order the prompt gives them (with a system message before it when
+asked), or a conversation as transformers takes it (`read_messages`, `parse_messages`: roles
+system/user/assistant/tool, content a string or a list of text/image/video/audio items, media by
+local path), its keys whose value is null dropped and its reasoning aliased as transformers does.
 
 The rendered text still holds one image or video placeholder per item; `run` expands and
 tokenizes it as any prompt (`ref.gemma4.multimodal.prompt_inputs`), without adding the
@@ -20,6 +23,12 @@ TEMPLATE_JSON = "chat_template.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # the named special tokens transformers passes to a template (`special_tokens_map`)
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MEDIA = ("image", "video", "audio")
+# the keys transformers reads a media item's file from (`_multimodal_inputs_from_conversations`)
+MEDIA_KEYS = ("image", "url", "path")
+# the names a message's reasoning goes by; transformers fills `thinking` and `reasoning_content`
+REASONING = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatError(ValueError):
@@ -141,3 +150,88 @@ def render(template, messages, specials, add_generation_prompt=True):
         )
     except TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
+
+
+def system_message(text):
+    """A system message holding `text` (`run --system`)."""
+    return {"role": "system", "content": text}
+
+
+def read_messages(path):
+    """A JSON file of messages (`run --messages`) → the checked messages, media paths relative
+    to the file's folder (`parse_messages`)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ChatError(f"--messages {path}: expected a JSON list of messages ({e})") from e
+    return parse_messages(value, f"--messages {path}", os.path.dirname(os.path.abspath(path)))
+
+
+def parse_messages(value, where, base):
+    """Messages as transformers' `apply_chat_template` takes them, checked, with each media
+    item's file resolved against `base` (and existing), keys whose value is null dropped and the
+    reasoning aliased (`_normalize_chat_messages`, `_alias_reasoning_fields`) → list of dicts.
+
+    value: the decoded JSON; where: what names it in an error."""
+    if not isinstance(value, list) or not value:
+        raise ChatError(f"{where}: {_shown(value)}: expected a non-empty list of messages")
+    return [_message(m, f"{where}: message {i}", base) for i, m in enumerate(value)]
+
+
+def _shown(value, width=60):
+    """A value as an error shows it: its JSON, cut to `width` characters."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _message(message, where, base):
+    """One checked message (see `parse_messages`)."""
+    if not isinstance(message, dict):
+        raise ChatError(f"{where}: {_shown(message)}: expected an object with role and content")
+    message = {k: v for k, v in message.items() if v is not None}
+    if message.get("role") not in ROLES:
+        role = _shown(message.get("role"))
+        raise ChatError(f"{where}: role {role}: expected one of {', '.join(ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = [_item(c, f"{where} item {k}", base) for k, c in enumerate(content)]
+    elif content is not None and not isinstance(content, str):
+        raise ChatError(f"{where}: content {_shown(content)}: expected a string or a list of items")
+    reasoning = next((message[k] for k in REASONING if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _item(item, where, base):
+    """One checked content item: text with its string, or a media item with one existing file
+    under one of MEDIA_KEYS (resolved against `base`)."""
+    kind = item.get("type") if isinstance(item, dict) else None
+    if kind not in ("text", *MEDIA):
+        kinds = ", ".join(("text", *MEDIA))
+        raise ChatError(f"{where}: {_shown(item)}: expected an object whose type is one of {kinds}")
+    if kind == "text":
+        if not isinstance(item.get("text"), str):
+            raise ChatError(f'{where}: {_shown(item)}: expected a text item\'s "text" string')
+        return item
+    keys = [k for k in MEDIA_KEYS if k in item]
+    if len(keys) != 1 or not isinstance(item[keys[0]], str):
+        names = "/".join(MEDIA_KEYS)
+        raise ChatError(f"{where}: {_shown(item)}: expected one {names} key with a file's path")
+    path = os.path.join(base, os.path.expanduser(item[keys[0]]))
+    if not os.path.isfile(path) and not (kind == "video" and os.path.isdir(path)):
+        raise ChatError(f"{where}: {kind} file {path} does not exist: expected a local file")
+    return {**item, keys[0]: path}
+
+
+def media(messages, kind):
+    """The files of the messages' `kind` items ("image", "video" or "audio"), in order of
+    appearance (transformers' order of loading them)."""
+    found = []
+    for message in messages:
+        items = message.get("content") if isinstance(message.get("content"), list) else []
+        found += [
+            item[k] for item in items if item["type"] == kind for k in MEDIA_KEYS if k in item
+        ]
+    return found

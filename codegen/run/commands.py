@@ -55,16 +55,24 @@ def _photo_prompt(args, runner):
     fps += [None] * (len(args.video) - len(fps))
     videos = [read_video(p, args.video_frames, f) for p, f in zip(args.video, fps, strict=True)]
     audios = [read_audio(p) for p in getattr(args, "audio", [])]
-    tokenizer = read_tokenizer(runner.folder) if args.prompt is not None or videos else None
+    messages, system = getattr(args, "messages", None), getattr(args, "system", None)
+    text = args.prompt is not None or messages is not None
+    tokenizer = read_tokenizer(runner.folder) if text or videos else None
     cfg = VisionConfig.from_hf(runner.checkpoint.config)
     tokens = prompt_tokens(runner.checkpoint.config)
     prompt, specials = args.prompt, {}
     try:
-        template = None if prompt is None else chat_template(getattr(args, "chat", None), runner)
+        # a conversation or a system turn asks for the template as --chat does
+        asked = True if messages is not None or system is not None else getattr(args, "chat", None)
+        template = chat_template(asked, runner) if text else None
         if template is not None:
             specials = chat.special_tokens(runner.folder)
-            message = chat.user_message(prompt, len(args.image), len(videos), tokens, len(audios))
-            prompt = chat.render(template, [message], specials)
+            if messages is None:
+                message = chat.user_message(
+                    prompt, len(args.image), len(videos), tokens, len(audios)
+                )
+                messages = [chat.system_message(system)] * (system is not None) + [message]
+            prompt = chat.render(template, messages, specials)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
         ids, patches, grids, clips = prompt_inputs(
@@ -84,7 +92,7 @@ def _photo_prompt(args, runner):
     except ValueError as e:
         raise RunError(str(e)) from e
     items = list(zip(patches, grids, strict=True))
-    return [ids], items, tokenizer if args.prompt is not None else None, clips
+    return [ids], items, tokenizer if text else None, clips
 
 
 def chat_template(asked, runner):
@@ -122,10 +130,49 @@ def _generation_options(args):
     return {k: getattr(args, k, None) for k in ("sample", "temperature", "top_k", "top_p", "seed")}
 
 
-def _inputs(args, runner):
-    """(prompt rows, images, tokenizer or None, audio clips) from run's options: --image,
-    --video, --audio with --prompt or placeholder --prompt-ids, or expanded --prompt-ids with
-    --patches/--grid pairs."""
+def read_run_messages(args):
+    """run's options with --messages FILE read (`chat.read_messages`; refused beside other prompt
+    options), or as they are."""
+    if args.messages is None:
+        return args
+    _alone("--messages", _beside_messages(args))
+    return argparse.Namespace(**{**vars(args), "messages": chat.read_messages(args.messages)})
+
+
+def _alone(what, given):
+    """Refuse a conversation beside other prompt options: `given` names those present."""
+    if given:
+        raise RunError(
+            f"{what} holds the whole conversation and its media: expected no {', '.join(given)}"
+        )
+
+
+def _beside_messages(args):
+    """The prompt options given beside run's --messages (their names)."""
+    options = {"--prompt": args.prompt, "--prompt-ids": args.prompt_ids,
+               "--patches": args.patches, "--image": args.image, "--video": args.video,
+               "--audio": args.audio, "--system": args.system}  # fmt: skip
+    given = [name for name, value in options.items() if value not in (None, [])]
+    return given + ["--no-chat"] * (args.chat is False)
+
+
+def _conversation_args(args):
+    """The options of a run of messages: their media items as --image, --video and --audio, in
+    order of appearance (`chat.media`)."""
+    media = {kind: chat.media(args.messages, kind) for kind in chat.MEDIA}
+    return argparse.Namespace(
+        **{**vars(args), "image": media["image"], "video": media["video"], "audio": media["audio"]}
+    )
+
+
+def inputs(args, runner):
+    """(prompt rows, images, tokenizer or None, audio clips) from run's options: --messages, or
+    --image, --video, --audio with --prompt (and --system) or placeholder --prompt-ids, or
+    expanded --prompt-ids with --patches/--grid pairs."""
+    if getattr(args, "messages", None) is not None:
+        return _photo_prompt(_conversation_args(args), runner)
+    if getattr(args, "system", None) is not None and (args.prompt is None or args.chat is False):
+        raise RunError("--system TEXT: expected with --prompt, rendered by the chat template")
     if args.image or args.video or getattr(args, "audio", []) or args.prompt is not None:
         if args.patches or len(args.prompt_ids or []) > 1:
             raise RunError(
@@ -154,13 +201,14 @@ def main(args):
     """`python -m codegen run`: prints progress to stderr (unless --quiet); with a tokenizer,
     the row's text streamed to stdout as its tokens arrive; then each row's ids, comma-separated
     and without the padding after a stop id, as the last lines."""
+    args = read_run_messages(args)
     if args.skip_shard_check:
         print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
     runner = Runner(
         args.out, check_shards=not args.skip_shard_check, decode_folder=args.decode_from,
         speculate=args.speculate,
     )  # fmt: skip
-    rows, images, tokenizer, audios = _inputs(args, runner)
+    rows, images, tokenizer, audios = inputs(args, runner)
     quiet = getattr(args, "quiet", False)
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
@@ -236,7 +284,8 @@ def read_requests(path, runner, defaults=None):
     `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
     with `images` [image files], `videos` [frame folders, animations or video files] (with
     `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70)) and `audios` [audio
-    files: WAV, or any format PyAV decodes];
+    files: WAV, or any format PyAV decodes], or `messages` (a conversation, as `run --messages`
+    reads it) in their place;
     `max_new_tokens` (16) and `arrival` (step, 0); `chat` (`run`'s --chat), `sample`,
     `temperature`, `top_k`, `top_p`, `seed` (default: `defaults`, serve's options). Paths are
     relative to the file's folder."""
@@ -262,8 +311,9 @@ def read_requests(path, runner, defaults=None):
             video_frames=item.get("video_frames", VIDEO_FRAMES),
             video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
             chat=item.get("chat"),
+            messages=_request_messages(item, f"--requests {path} line {i + 1}", base),
         )
-        rows, images, _, clips = _inputs(args, runner)
+        rows, images, _, clips = inputs(args, runner)
         n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
         if not isinstance(arrival, int) or arrival < 0:
             raise RunError(
@@ -279,6 +329,18 @@ def read_requests(path, runner, defaults=None):
 
 
 GENERATION_KEYS = ("sample", "temperature", "top_k", "top_p", "seed")
+# a request's keys that a "messages" conversation replaces
+PROMPT_KEYS = ("prompt", "prompt_ids", "patches", "grids", "images", "videos", "audios")
+
+
+def _request_messages(item, where, base):
+    """A request's "messages", checked (`chat.parse_messages`, paths relative to `base`), or
+    None without them."""
+    if "messages" not in item:
+        return None
+    given = [k for k in PROMPT_KEYS if k in item] + ["chat false"] * (item.get("chat") is False)
+    _alone(f"{where}: messages", given)
+    return chat.parse_messages(item["messages"], f"{where}: messages", base)
 
 
 def serve_main(args):

@@ -2,7 +2,12 @@
 plus the model's, against transformers' `Gemma4Processor.apply_chat_template
 (add_generation_prompt=True)` with the same template and tokenizer: the same text, and the same
 ids once expanded and tokenized; and `run --chat` through an export gives transformers' tokens
-for the templated prompt."""
+for the templated prompt; conversations (`run --messages`, `--system`, serve's "messages")
+render as transformers renders them on the released Gemma 4 template, and run and serve give
+transformers' tokens for one."""
+
+import json
+import re
 
 import numpy as np
 import pytest
@@ -11,15 +16,17 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from codegen.__main__ import main
+from codegen.cli.parser import parser
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import CHAT_TEMPLATE
-from codegen.run import chat
-from codegen.run.runtime import Runner
+from codegen.run import chat, commands
+from codegen.run.media import read_image
+from codegen.run.runtime import RunError, Runner
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_generate, hf_model, text_config
-from tests.util import examples
+from tests.util import examples, released_template, write_wav
 
 BUDGET, PATCH = 70, 2
 TOKENS = PromptTokens(image_token_id=4, boi_token_id=5, eoi_token_id=6, video_token_id=7)
@@ -137,7 +144,8 @@ def exported(tmp_path_factory):
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (folder / "tokenizer_config.json").write_text('{"bos_token": "<bos>", "eos_token": "<eos>"}')
     out = tmp_path_factory.mktemp("chat-export") / "out"
-    options = dict(budgets=(BUDGET,), seq_len=96, ctx_len=160, hash_shards=False)
+    options = dict(budgets=(BUDGET,), seq_len=96, ctx_len=160, full_batch_size=2,
+                   hash_shards=False)  # fmt: skip
     export(ExportOptions(out=out, model=folder, **options), log=lambda msg: None)
     return model, out
 
@@ -194,3 +202,206 @@ def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsy
         assert main([*run, *hot]) == 0
         drawn.append(capsys.readouterr().out.splitlines()[-1])
     assert drawn[0] == drawn[1] != drawn[2] and drawn[0] != greedy
+
+
+# a conversation's media files, by kind (written by `media_folder`)
+FILES = {"image": ["photo0.png", "photo1.png"], "video": ["frames"], "audio": ["voice.wav"]}
+
+
+@pytest.fixture(scope="module")
+def media_folder(tmp_path_factory):
+    """A folder holding FILES: two photos of other sizes, a folder of frames, a WAV clip."""
+    folder = tmp_path_factory.mktemp("media")
+    rng = np.random.default_rng(5)
+    for i, name in enumerate(FILES["image"]):
+        Image.fromarray(rng.integers(0, 256, (30 - 8 * i, 24, 3), np.uint8)).save(folder / name)
+    (folder / "frames").mkdir()
+    Image.fromarray(rng.integers(0, 256, (12, 12, 3), np.uint8)).save(folder / "frames" / "0.png")
+    write_wav(folder / "voice.wav", rng.integers(-999, 999, 1600), 16000)
+    return folder
+
+
+def words(draw):
+    """A few of the tokenizer's words, space-separated."""
+    return " ".join(draw(st.lists(st.sampled_from(WORDS[:9]), min_size=1, max_size=4)))
+
+
+@st.composite
+def user_turns(draw, kinds):
+    """A user message: words alone as a string, or a list of text items and 0–2 media items of
+    `kinds` (a file each, under one of the keys transformers reads) in a drawn order."""
+    media = draw(st.lists(st.sampled_from(kinds), max_size=2))
+    if not media and draw(st.booleans()):
+        return {"role": "user", "content": words(draw)}
+    items = [{"type": "text", "text": words(draw)} for _ in range(draw(st.integers(1, 2)))]
+    for kind in media:
+        key = draw(st.sampled_from(chat.MEDIA_KEYS))
+        items.append({"type": kind, key: draw(st.sampled_from(FILES[kind]))})
+    return {"role": "user", "content": draw(st.permutations(items))}
+
+
+@st.composite
+def conversations(draw, kinds=chat.MEDIA):
+    """A system turn (a string or text items) or none, then 1–3 user turns with the model's
+    answers between them."""
+    messages = []
+    if draw(st.booleans()):
+        text = words(draw)
+        content = draw(st.sampled_from([text, [{"type": "text", "text": text}]]))
+        messages.append({"role": "system", "content": content})
+    for turn in range(draw(st.integers(1, 3))):
+        if turn:
+            messages.append({"role": "assistant", "content": words(draw)})
+        messages.append(draw(user_turns(kinds)))
+    return messages
+
+
+@pytest.fixture(scope="module")
+def released():
+    """(the released template, a processor rendering with it)."""
+    template = released_template()
+    return template, hf_processor(word_tokenizer(), BUDGET, PATCH, chat_template=template)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(messages=conversations())
+def test_conversations_render_as_apply_chat_template(released, media_folder, messages):
+    template, processor = released
+    parsed = chat.parse_messages(messages, "drawn", media_folder)
+    ours = chat.render(template, parsed, SPECIALS)
+    want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours == want
+    assert chat.media(parsed, "image") == [
+        str(media_folder / i[k]) for m in messages if isinstance(m["content"], list)
+        for i in m["content"] if i["type"] == "image" for k in chat.MEDIA_KEYS if k in i
+    ]  # fmt: skip
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(messages=conversations(kinds=("image",)))
+def test_conversation_ids_are_apply_chat_templates(released, media_folder, messages):
+    """The rendered conversation expanded with its images read in order of appearance equals
+    apply_chat_template(tokenize=True)'s input_ids (images loaded from the same files)."""
+    template, processor = released
+    parsed = chat.parse_messages(messages, "drawn", media_folder)
+    ids, _, _, _ = prompt_inputs(
+        chat.render(template, parsed, SPECIALS),
+        [read_image(p) for p in chat.media(parsed, "image")],
+        (),
+        patch_size=PATCH,
+        pooling_kernel_size=3,
+        tokens=TOKENS,
+        tokenize=lambda s: word_backend().encode(s, add_special_tokens=False).ids,
+        max_soft_tokens=BUDGET,
+    )
+    want = processor.apply_chat_template(
+        parsed, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    np.testing.assert_array_equal(ids, np.asarray(want).reshape(-1))
+
+
+@pytest.fixture(scope="module")
+def runner(exported):
+    """A Runner over the export (serve's requests read against it)."""
+    return Runner(exported[1], check_shards=False)
+
+
+def _hf_inputs(messages, base):
+    """apply_chat_template(tokenize=True) on the export's template, media relative to `base`."""
+    processor = hf_processor(word_tokenizer(), BUDGET, PATCH, chat_template=CHAT_TEMPLATE)
+    return processor.apply_chat_template(
+        chat.parse_messages(messages, "test", base), add_generation_prompt=True, tokenize=True,
+        return_dict=True, return_tensors="pt",
+    )  # fmt: skip
+
+
+def test_run_and_serve_give_a_conversations_transformers_tokens(exported, runner, tmp_path,
+                                                                capsys):  # fmt: skip
+    """`run --messages`, a serve request's "messages" and `run --system --prompt` on a
+    conversation with an image in its second user turn: transformers' prompt ids (and, but for
+    --system, its greedy tokens) for it, on the export's own template."""
+    model, out = exported
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (30, 24, 3), np.uint8)).save(
+        tmp_path / "photo.png"
+    )
+    messages = [
+        {"role": "system", "content": "look at this"},
+        {"role": "user", "content": [{"type": "text", "text": "then that ?"}]},
+        {"role": "assistant", "content": "03 04"},
+        {"role": "user", "content": [{"type": "image", "path": "photo.png"},
+                                     {"type": "text", "text": "and this ?"}]},
+    ]  # fmt: skip
+    (tmp_path / "chat.json").write_text(json.dumps(messages))
+    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": messages, "max_new_tokens": 6}))
+    run = ["run", str(out), "--max-new-tokens", "6", "--quiet"]
+    argv = [*run, "--messages", str(tmp_path / "chat.json")]
+    inputs = _hf_inputs(messages, tmp_path)
+    np.testing.assert_array_equal(_run_ids(argv, runner), inputs["input_ids"][0].numpy())
+    request = commands.read_requests(tmp_path / "r.jsonl", runner)[0]
+    np.testing.assert_array_equal(request.ids, inputs["input_ids"][0].numpy())
+    want, gap = greedy_with_gap(model, inputs, 6)
+    assert gap > 1e-4
+    want = ",".join(str(int(t)) for t in want)
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == want
+    assert main(["serve", str(out), "--requests", str(tmp_path / "r.jsonl")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "request 0: " + want
+    system = [*run, "--image", str(tmp_path / "photo.png"), "--system", "look at this"]
+    system += ["--prompt", "<|image|> and this ?"]
+    short = _hf_inputs(messages[:1] + messages[3:], tmp_path)["input_ids"][0].numpy()
+    np.testing.assert_array_equal(_run_ids(system, runner), short)
+
+
+def _run_ids(argv, runner):
+    """The prompt ids `run` sends for its arguments."""
+    return commands.inputs(commands.read_run_messages(parser().parse_args(argv)), runner)[0][0]
+
+
+BAD = [  # (messages file text, --requests "messages" or None, the error's words)
+    ("[{", None, "expected a JSON list of messages"),
+    ("{}", {}, "{}: expected a non-empty list of messages"),
+    ('[{"role": "robot", "content": "hi"}]', None,
+     'message 0: role "robot": expected one of system, developer, user, assistant, tool'),
+    ('[{"content": "hi"}]', None, "message 0: role null: expected one of"),
+    ('[{"role": "user", "content": [{"type": "image"}]}]', None,
+     "message 0 item 0: .*expected one image/url/path key with a file's path"),
+    ('[{"role": "user", "content": [{"type": "image", "path": "gone.png"}]}]', None,
+     "message 0 item 0: image file .*gone.png does not exist"),
+    ('[{"role": "user", "content": [{"type": "sound"}]}]', None,
+     "item 0: .*expected an object whose type is one of text, image, video, audio"),
+    ('[{"role": "user", "content": 3}]', None, "content 3: expected a string or a list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, request_messages, words", BAD)
+def test_bad_conversations_are_one_line_and_exit_2(exported, runner, tmp_path, capsys, text,
+                                                   request_messages, words):  # fmt: skip
+    """A bad --messages file is one line naming the file, the message and item, and what was
+    expected, and exit code 2; a request's bad "messages" names its line the same way."""
+    path = tmp_path / "chat.json"
+    path.write_text(text)
+    assert main(["run", str(exported[1]), "--messages", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert re.search(f"--messages {re.escape(str(path))}: .*{words}", err), err
+    messages = json.loads(text) if request_messages is None and text != "[{" else request_messages
+    if messages is not None:
+        (tmp_path / "r.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(chat.ChatError, match=r"r.jsonl line 1: messages: .*" + words):
+            commands.read_requests(tmp_path / "r.jsonl", runner)
+
+
+def test_messages_refuse_other_prompt_options(exported, runner, tmp_path, capsys):
+    _, out = exported
+    path = tmp_path / "chat.json"
+    path.write_text('[{"role": "user", "content": "look"}]')
+    run = ["run", str(out), "--messages", str(path)]
+    assert main([*run, "--prompt", "look", "--no-chat"]) == 2
+    assert "--messages holds the whole conversation and its media: expected no --prompt, " \
+        "--no-chat" in capsys.readouterr().err  # fmt: skip
+    assert main(["run", str(out), "--system", "be brief", "--prompt-ids", "2,9"]) == 2
+    assert "--system TEXT: expected with --prompt" in capsys.readouterr().err
+    line = {"messages": [{"role": "user", "content": "look"}], "prompt": "look"}
+    (tmp_path / "r.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(RunError, match="line 1: messages holds the whole conversation"):
+        commands.read_requests(tmp_path / "r.jsonl", runner)
