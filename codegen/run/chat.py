@@ -219,6 +219,8 @@ def _item(item, where, base):
     if len(keys) != 1 or not isinstance(item[keys[0]], str):
         names = "/".join(MEDIA_KEYS)
         raise ChatError(f"{where}: {_shown(item)}: expected one {names} key with a file's path")
+    if "://" in item[keys[0]]:
+        raise ChatError(f"{where}: {item[keys[0]]}: expected a local file's path, not a URL")
     path = os.path.join(base, os.path.expanduser(item[keys[0]]))
     if not os.path.isfile(path) and not (kind == "video" and os.path.isdir(path)):
         raise ChatError(f"{where}: {kind} file {path} does not exist: expected a local file")

@@ -14,6 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from transformers.utils.chat_template_utils import (
+    _alias_reasoning_fields,
+    _normalize_chat_messages,
+)
 
 from codegen.__main__ import main
 from codegen.cli.parser import parser
@@ -370,6 +374,8 @@ BAD = [  # (messages file text, --requests "messages" or None, the error's words
     ('[{"role": "user", "content": [{"type": "sound"}]}]', None,
      "item 0: .*expected an object whose type is one of text, image, video, audio"),
     ('[{"role": "user", "content": 3}]', None, "content 3: expected a string or a list"),
+    ('[{"role": "user", "content": [{"type": "audio", "url": "https://x/a.wav"}]}]', None,
+     "item 0: https://x/a.wav: expected a local file's path, not a URL"),
 ]  # fmt: skip
 
 
@@ -405,3 +411,14 @@ def test_messages_refuse_other_prompt_options(exported, runner, tmp_path, capsys
     (tmp_path / "r.jsonl").write_text(json.dumps(line) + "\n")
     with pytest.raises(RunError, match="line 1: messages holds the whole conversation"):
         commands.read_requests(tmp_path / "r.jsonl", runner)
+
+
+def test_messages_are_normalized_as_transformers_does():
+    """Keys whose value is null dropped, reasoning copied to `thinking` and
+    `reasoning_content`: what transformers hands its template."""
+    messages = [
+        {"role": "user", "content": "look", "name": None},
+        {"role": "assistant", "content": "at", "reasoning": "this", "tool_calls": None},
+    ]
+    want = _alias_reasoning_fields(_normalize_chat_messages(messages))
+    assert chat.parse_messages(messages, "test", ".") == want
