@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from codegen import graphs
@@ -253,20 +254,23 @@ def _export(opts, log):
 def _fill(folder, checkpoints, specs, opts, log):
     """Write the export's files into `folder`: the checkpoint's shards and side files (and the
     assistant's, in `assistant/`), each graph of `specs`, the compiler's files and
-    manifest.json; returns the Manifest. checkpoints: (the target, the assistant or None)."""
+    manifest.json; returns the Manifest. checkpoints: (the target, the assistant or None). The
+    shards are hashed in threads while the graphs are traced (hashing releases the GIL)."""
     checkpoint, assistant = checkpoints
-    shards = _place(checkpoint, folder, opts, log)
-    if assistant is not None:
-        inside = folder / paired.ASSISTANT
-        inside.mkdir()
-        shards += [dataclasses.replace(s, file=f"{paired.ASSISTANT}/{s.file}")
-                   for s in _place(assistant, inside, opts, log)]  # fmt: skip
-        # the graphs' assistant.* initializers point into the shards at assistant/…
-        checkpoint = paired.open_export(folder)
-    entries = []
-    for i, spec in enumerate(specs):
-        log(f"[{i + 1}/{len(specs)}] {spec.name}")
-        entries.append(write_graph(spec, checkpoint, folder, opts, log))
+    with _hashing() as pool:
+        pending = _place(checkpoint, folder, opts, log, pool)
+        if assistant is not None:
+            inside = folder / paired.ASSISTANT
+            inside.mkdir()
+            pending += [(dataclasses.replace(s, file=f"{paired.ASSISTANT}/{s.file}"), digest)
+                        for s, digest in _place(assistant, inside, opts, log, pool)]  # fmt: skip
+            # the graphs' assistant.* initializers point into the shards at assistant/…
+            checkpoint = paired.open_export(folder)
+        entries = []
+        for i, spec in enumerate(specs):
+            log(f"[{i + 1}/{len(specs)}] {spec.name}")
+            entries.append(write_graph(spec, checkpoint, folder, opts, log))
+        shards = [_digested(shard, digest) for shard, digest in pending]
     for name, text in qaic.compiler_files(entries, opts).items():
         atomic_text(folder / name, text)
     os.chmod(folder / qaic.COMPILE_SCRIPT, 0o755)
@@ -285,26 +289,44 @@ def _fill(folder, checkpoints, specs, opts, log):
     return manifest
 
 
-def _place(checkpoint, folder, opts, log):
+@contextlib.contextmanager
+def _hashing():
+    """A thread pool for the shards' digests, one thread a core; on leaving, digests not yet
+    started are dropped (a failed export does not wait for them)."""
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="digest")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _place(checkpoint, folder, opts, log, pool):
     """Hard-link the checkpoint's shards into `folder` and copy its side files (config.json,
     the shard index; the tokenizer, template and stop ids: `run --prompt` needs only the
-    folder) → its `Shard`s."""
+    folder) → [(its `Shard` without a digest, the digest's Future in `pool` or None)]."""
     placed = external.place_shards(checkpoint.shards, folder, checkpoint.dir)
     extras = ("config.json", "model.safetensors.index.json", *TOKENIZER_FILES)
     for extra in extras:
         if (checkpoint.dir / extra).is_file():
             shutil.copyfile(checkpoint.dir / extra, folder / extra)
-    return [_shard(s, folder, source, opts, log) for s, source in
-            zip(placed, checkpoint.shards, strict=True)]  # fmt: skip
+    pending = []
+    for shard, source in zip(placed, checkpoint.shards, strict=True):
+        if shard["copied"]:
+            log(f"warning: could not hard-link {shard['file']}; copied {shard['bytes']} bytes")
+        path = folder / shard["file"]
+        digest = (
+            pool.submit(hashcache.export_digest, path, source=source) if opts.hash_shards else None
+        )
+        pending.append((Shard(**shard), digest))
+    return pending
 
 
-def _shard(placed, folder, source, opts, log):
-    """The Shard of one placed shard ({"file", "bytes", "copied"}: `external.place_shards`),
-    hashed unless `--no-hash`."""
-    if placed["copied"]:
-        log(f"warning: could not hard-link {placed['file']}; copied {placed['bytes']} bytes")
-    digest = hashcache.sha256(folder / placed["file"], source=source) if opts.hash_shards else None
-    return Shard(**placed, sha256=digest)
+def _digested(shard, digest):
+    """`shard` with the digest the Future `digest` gives ((algorithm, hex); None: unhashed)."""
+    if digest is None:
+        return shard
+    algorithm, value = digest.result()
+    return dataclasses.replace(shard, **{algorithm: value})
 
 
 def _options_json(opts):

@@ -6,7 +6,6 @@ hard-linked into the output folder; `--weights inputs` keeps them as graph input
 QEfficient's weight spec v5 (also embedded as ONNX metadata `com.qti.aisw.extdata`).
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -66,15 +65,6 @@ def place_shards(shards, folder, root):
             copied = True
         placed.append({"file": name, "bytes": os.path.getsize(target), "copied": copied})
     return placed
-
-
-def sha256(path, chunk=1 << 24):
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _cast_uses(graph, names, tensors):

@@ -3,10 +3,11 @@
 The graphs read their weights at byte ranges of the hard-linked shards, so a shard edited,
 truncated or replaced after export would make every answer use other weights without a word.
 `check_folder` refuses such a folder, naming the file: each shard the manifest lists must exist
-with its recorded size and sha256, and every external initializer of every graph must point at
-exactly the bytes the shard's own header gives that tensor (weight specs of `--weights inputs`
-graphs must name tensors the shards hold). A shard whose size and mtime are those it had when
-last hashed is not read again (`codegen.folder.hashcache`).
+with its recorded size and digest (BLAKE3, or sha256: an HF blob's, or an older export's), and
+every external initializer of every graph must point at exactly the bytes the shard's own header
+gives that tensor (weight specs of `--weights inputs` graphs must name tensors the shards hold).
+A shard whose size and mtime are those it had when last hashed is not read again
+(`codegen.folder.hashcache`).
 """
 
 import json
@@ -30,10 +31,12 @@ def _check_shard(folder, shard, hashes):
     size = os.path.getsize(path)
     if size != shard.bytes:
         raise FolderError(f"{path}: {size} bytes, manifest.json records {shard.bytes}")
-    if hashes and shard.sha256 and hashcache.sha256(path) != shard.sha256:
-        raise FolderError(
-            f"{path}: sha256 differs from manifest.json's (the shard changed after export)"
-        )
+    if hashes and shard.digest:
+        algorithm, recorded = shard.digest
+        if hashcache.digest(path, algorithm) != recorded:
+            raise FolderError(
+                f"{path}: {algorithm} differs from manifest.json's (the shard changed after export)"
+            )
 
 
 def _external_entries(model):
@@ -72,7 +75,7 @@ def _check_graph(folder, entry, headers):
 
 def check_folder(folder, manifest, *, hashes=True):
     """Raise FolderError unless the folder's shards and graphs match `manifest` (a
-    `codegen.folder.manifest.Manifest`; see above). hashes=False skips the sha256 (sizes and byte
+    `codegen.folder.manifest.Manifest`; see above). hashes=False skips the digests (sizes and byte
     ranges are still checked)."""
     for shard in manifest.shards:
         _check_shard(folder, shard, hashes)

@@ -43,13 +43,24 @@ class Tensor:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Shard:
-    """A checkpoint shard placed in the folder (hard-linked, else `copied`); sha256 None: not
-    hashed (`--no-hash`, or a folder older than the hashes)."""
+    """A checkpoint shard placed in the folder (hard-linked, else `copied`) and its digest: at
+    most one of sha256 (an HF blob's or local-dir metadata's, or any shard before BLAKE3) and
+    blake3 (`codegen.folder.filehash`) set; both None: not hashed (`--no-hash`, or a folder
+    older than the hashes)."""
 
     file: str
     bytes: int
     copied: bool
     sha256: str | None = None
+    blake3: str | None = None
+
+    @property
+    def digest(self):
+        """(algorithm, hex digest) manifest.json records, or None."""
+        for algorithm in ("blake3", "sha256"):
+            if getattr(self, algorithm):
+                return algorithm, getattr(self, algorithm)
+        return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

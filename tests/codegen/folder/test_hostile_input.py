@@ -193,7 +193,7 @@ def _tampered(exported, tmp_path, how):
 @pytest.mark.parametrize(
     "how, words",
     [
-        ("byte flipped", "sha256 differs"),
+        ("byte flipped", "blake3 differs"),
         ("truncated", "bytes, manifest.json records"),
         ("missing", "missing (manifest.json lists it)"),
         ("offset moved", "decode.onnx: weight"),

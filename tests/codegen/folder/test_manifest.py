@@ -38,7 +38,7 @@ def test_a_real_manifest_round_trips_byte_for_byte(exported):
     data = json.loads(text)
     assert text == json.dumps(data, indent=2) + "\n"
     assert list(data) == [*TOP, "retained_layout", "assistant"]
-    assert list(data["shards"][0]) == ["file", "bytes", "copied", "sha256"]
+    assert list(data["shards"][0]) == ["file", "bytes", "copied", "sha256", "blake3"]
     assert all(list(g) == GRAPH for g in data["graphs"])
     assert list(data["graphs"][0]["inputs"][0]) == ["name", "dtype", "shape", "shapes"]
     loaded = manifest.load(exported)
@@ -64,7 +64,7 @@ def _older(data):
     """What an export before the upgraded keys wrote."""
     del data["retained_layout"], data["assistant"]
     for shard in data["shards"]:
-        del shard["sha256"]
+        del shard["sha256"], shard["blake3"]
     for g in data["graphs"]:
         del g["weight_spec"], g["clip_fp16"]
         for key in ("tiles", "full_batch_size", "folded_cache", "drafts"):
@@ -76,7 +76,7 @@ def test_an_older_folder_loads_with_the_old_meaning(exported, tmp_path):
     old = manifest.load(_copy_with(exported, tmp_path, _older))
     assert old.retained_layout is None and now.retained_layout is not None
     assert old.assistant is None
-    assert all(s.sha256 is None for s in old.shards)
+    assert all(s.digest is None for s in old.shards)
     assert all(g.weight_spec is None and g.clip_fp16 is None for g in old.graphs)
     vision, prefill, decode = old.graphs
     assert vision.options["tiles"] == (1, 1)
