@@ -129,14 +129,15 @@ def write_sparse_checkpoint(folder, config, shapes=None):
     return total, len(plan)
 
 
-def run_export(model, out, args, log, extra=()):
-    """Export in a child process; -> (exit code, wall s, peak RSS bytes)."""
+def run_export(model, out, args, log, extra=(), hashed=False):
+    """Export in a child process (the shards hashed only when `hashed`); -> (exit code,
+    wall s, peak RSS bytes)."""
     cmd = [
         sys.executable, "-m", "codegen", "export",
         "--model", str(model), "--out", str(out),
         "--budgets", "280,1120",
         "--seq-len", str(args.seq_len), "--ctx-len", str(args.ctx_len),
-        "--no-verify", "--no-hash", *extra,
+        "--no-verify", *(() if hashed else ("--no-hash",)), *extra,
     ]  # fmt: skip
     return child(cmd, log)
 
