@@ -5,8 +5,10 @@ with images, stop ids inside a round, continuous batching, a MoE target, a block
 compute context lengths; the drafter a `repeating_assistant`, so rounds accept every count."""
 
 import json
+import os
 import re
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -17,6 +19,7 @@ from codegen.check import head_slices, segments
 from codegen.check.verify import verify
 from codegen.export.command import ExportError, ExportOptions, export
 from codegen.folder.integrity import FolderError
+from codegen.folder.manifest import load as load_manifest
 from codegen.folder.sessions import read_manifest
 from codegen.graphs import GraphError
 from codegen.run.runtime import RunError, Runner
@@ -47,13 +50,14 @@ def _saved(tmp_path_factory, name, text, seed, drafts=None):
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     """(transformers target, Runner) over an export of a dense VLM target (attention_k_eq_v)
-    with its assistant: batch 2, K = 3 from the assistant's generation_config."""
+    with its assistant: batch 2, K = 3 from the assistant's generation_config; the shards
+    hashed (the Runner checks them)."""
     text = text_config(moe=False, layer_types=[SLIDING, SLIDING, FULL], k_eq_v=True, ple=8,
                        window=5)  # fmt: skip
     hf, target, assistant = _saved(tmp_path_factory, "dense", text, 7, drafts=3)
     out = tmp_path_factory.mktemp("dense-export") / "out"
-    export(ExportOptions(out=out, model=target, assistant=assistant, ctx_len=96, **OPTIONS),
-           log=print)  # fmt: skip
+    export(ExportOptions(out=out, model=target, assistant=assistant, ctx_len=96,
+                         **dict(OPTIONS, hash_shards=True)), log=print)  # fmt: skip
     return hf, Runner(out)
 
 
@@ -145,6 +149,14 @@ def test_speculative_run_gives_transformers_tokens(dense, lengths, data, seed):
         np.testing.assert_array_equal(got[r, : len(w)], w, err_msg="\n".join(lines))
         np.testing.assert_array_equal(again[r, : len(w)], w)
     assert any(line.startswith("row 0 speculation:") for line in lines)
+
+
+def test_the_assistants_shards_are_hashed_beside_the_targets(dense):
+    shards = load_manifest(dense[1].folder).shards
+    assert {s.file.startswith("assistant/") for s in shards} == {True, False}
+    for s in shards:  # small plain files: BLAKE3 of the bytes read
+        raw = open(os.path.join(dense[1].folder, s.file), "rb").read()
+        assert s.digest == ("blake3", blake3.blake3(raw).hexdigest()), s.file
 
 
 def test_rounds_accept_every_count_and_report_it(dense, capsys):
