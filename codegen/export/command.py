@@ -19,7 +19,6 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from codegen import graphs
@@ -257,7 +256,7 @@ def _fill(folder, checkpoints, specs, opts, log):
     manifest.json; returns the Manifest. checkpoints: (the target, the assistant or None). The
     shards are hashed in threads while the graphs are traced (hashing releases the GIL)."""
     checkpoint, assistant = checkpoints
-    with _hashing() as pool:
+    with hashcache.threads() as pool:
         pending = _place(checkpoint, folder, opts, log, pool)
         if assistant is not None:
             inside = folder / paired.ASSISTANT
@@ -287,17 +286,6 @@ def _fill(folder, checkpoints, specs, opts, log):
     )
     atomic_text(folder / MANIFEST, manifest.to_json())
     return manifest
-
-
-@contextlib.contextmanager
-def _hashing():
-    """A thread pool for the shards' digests, one thread a core; on leaving, digests not yet
-    started are dropped (a failed export does not wait for them)."""
-    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="digest")
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _place(checkpoint, folder, opts, log, pool):

@@ -39,6 +39,7 @@ import re
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from codegen.folder import filehash
@@ -169,3 +170,14 @@ def export_digest(path, *, source=None):
     if known:
         return "sha256", digest(path, "sha256", known=known)
     return "blake3", digest(path, "blake3")
+
+
+@contextlib.contextmanager
+def threads():
+    """A thread pool for digests, one thread a core (hashing and reading release the GIL); on
+    leaving, digests not yet started are dropped (a failure does not wait for them)."""
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="digest")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

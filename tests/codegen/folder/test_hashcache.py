@@ -149,6 +149,20 @@ def test_check_folder_refuses_a_shard_changed_after_it_was_recorded(tmp_path, re
     check_folder(tmp_path, manifest, hashes=False)  # sizes and byte ranges only
 
 
+def test_check_folder_names_the_first_changed_shard_of_those_hashed_in_parallel(tmp_path, reads):
+    paths = [sparse(tmp_path / f"model-{i}.safetensors") for i in range(3)]
+    shards = tuple(
+        Shard(file=p.name, bytes=SIZE, copied=False, blake3=truth(p, "blake3")) for p in paths
+    )
+    manifest = Manifest(
+        format=FORMAT, source="", opset=0, options={}, shards=shards, bytes_copied=0, graphs=()
+    )
+    for p in paths[1:]:
+        rewrite(p, b"SHARD")
+    with pytest.raises(FolderError, match="model-1.safetensors: blake3 differs"):
+        check_folder(tmp_path, manifest)
+
+
 def test_an_older_manifests_sha256_is_the_digest_checked():
     shard = {"file": "model.safetensors", "bytes": 8, "copied": False, "sha256": "ab" * 32}
     data = json.loads(
