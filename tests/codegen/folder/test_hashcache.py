@@ -313,6 +313,7 @@ def test_local_dir_metadata_gives_the_sha256_when_the_file_is_not_newer(tmp_path
         ("ef" * 32, "not a time", True),
         ("ef" * 32, HOUR_AGO / 1e9, False),  # the shard in the folder is a copy
     ],
+    ids=["file newer", "sha1 etag", "malformed time", "a copy"],  # the times differ per worker
 )
 def test_local_dir_metadata_is_ignored_unless_it_matches(tmp_path, reads, etag, written_s, linked):
     shard, placed = local_dir(tmp_path, etag, written_s)
