@@ -325,18 +325,9 @@ def route_layers(layer_type, use_functions, kind):
                 once[name] = jax.jit(functools.partial(fn))
             fn = once[name]
         made = fn(*inputs)
-        slot = state[name]
-        if slot.out_tree is None:  # the call reused a trace made before this scope
-            found = {}
-
-            def probe(*a):
-                distinct, found["map"], found["tree"] = slot.results(a)
-                return distinct
-
-            jax.eval_shape(probe, *inputs)
-            slot = dataclasses.replace(slot, out_tree=found["tree"], out_map=found["map"])
-            state[name] = slot
-        return slot.outputs(inputs, made)
+        if state[name].out_tree is None:  # the call reused a trace made before this scope
+            jax.eval_shape(functools.partial(_layer_body, name), *inputs)  # records them
+        return state[name].outputs(inputs, made)
 
     return interceptor
 
