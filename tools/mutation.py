@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRATCH = ROOT / "build" / "mutation"
 TREES = ["ref", "weights", "codegen", "benchmarks", "tests", "docs"]  # docs: tests read them
-FILES = ["README.md"]  # tests/ref/test_blocking.py checks the README's table of modes
+FILES = ["README.md"]  # tests/test_readme.py reads it
 
 # Not the hypothesis sweep over random shapes nor the transformers comparison (minutes per
 # mutant under eager JAX); the numpy oracles, exact masks and the fixed-shape mode sweep.

@@ -430,15 +430,14 @@ def test_from_qaic_config_drops_what_the_mode_does_not_take():
 
 
 def test_docs_table_of_modes_is_the_table():
-    """docs/attention.md and the README hold `ref.blocking.markdown_table()` verbatim; every
+    """docs/attention.md holds `ref.blocking.markdown_table()` verbatim; every
     name any entry point uses resolves to one row."""
     from pathlib import Path
 
     from ref import blocking
 
     root = Path(__file__).parents[2]
-    for doc in ("docs/attention.md", "README.md"):
-        assert blocking.markdown_table() in (root / doc).read_text(), doc
+    assert blocking.markdown_table() in (root / "docs/attention.md").read_text()
     for prefill in (False, True):
         for name in blocking.names(prefill=prefill):
             resolved = blocking.resolve(name, prefill=prefill)

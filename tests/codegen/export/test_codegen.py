@@ -8,6 +8,9 @@ One export of the default model's graphs (vision, prefill, decode) and every att
 import dataclasses
 import json
 import os
+import re
+import shlex
+from pathlib import Path
 
 import blake3
 import numpy as np
@@ -193,17 +196,74 @@ def test_non_empty_output_refused_then_forced(exported, cache, tmp_path, capsys)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".forced.")]
 
 
-def test_cli_export_verifies_what_it_wrote(cache, tmp_path, capsys):
-    """`export` without --no-verify ends with verify's table: every output ok, rc 0."""
-    out = tmp_path / "out"
-    args = ["--graphs", "attention", "--blocking", "kv:num_kv_blocks=2"]
-    assert main(["export", "--model", str(cache), "--out", str(out), *args]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.split()[-1:] == ["ok"])
-    verified = [line.split() for line in lines[head + 1 :]]
-    assert {r[0] for r in verified} == {"vision", "attention_kv"} and len(verified) == 7
-    assert all(r[-1] == "ok" for r in verified)
-    assert manifest(out)["options"]["verify"] is True
+README = Path(__file__).parents[3] / "README.md"
+CODEGEN = ".venv/bin/python -m codegen "
+
+
+def readme_blocks(language):
+    """The README's fenced blocks of `language`, each a list of its lines."""
+    blocks, block = [], None
+    for line in README.read_text().splitlines():
+        if block is None and line == "```" + language:
+            block = []
+        elif block is not None and line == "```":
+            blocks.append(block)
+            block = None
+        elif block is not None:
+            block.append(line)
+    return blocks
+
+
+def readme_commands():
+    """[(argv, lines shown below it)] of every `python -m codegen` command in the README's sh
+    blocks, in order; a command's shown lines run to the next command or the block's end."""
+    commands = []
+    for block in readme_blocks("sh"):
+        for line in block:
+            if line.startswith(CODEGEN):
+                commands.append((shlex.split(line[len(CODEGEN) :]), []))
+            elif commands and not line.startswith(("make ", ".venv/")):
+                commands[-1][1].append(line)
+    return commands
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """At most 200 lines; every relative link in it and in docs/README.md names a file that
+    exists, and the docs index names every page in docs/."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    index = README.parent / "docs" / "README.md"
+    for page in (README, index):
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), (page, target)
+    pages = {p.name for p in index.parent.glob("*.md")} - {"README.md"}
+    assert pages <= set(re.findall(r"\]\(([\w.-]+\.md)\)", index.read_text()))
+
+
+def test_readme_tour_runs_as_shown(exported, cache, tmp_path, monkeypatch, capsys):
+    """Every `python -m codegen` command the README shows runs here as written (in a folder
+    where `export` is `make export`'s folder, and `requests.jsonl` is the README's), exits 0,
+    and prints every line the README shows below it. The continuous-batching export is the
+    CLI's export with its verify: it ends with verify's table, every output ok."""
+    commands = readme_commands()
+    tour = ["export", "run", "serve", "verify", "vectors", "plan"]
+    assert [argv[0] for argv, _ in commands] == tour
+    monkeypatch.setenv("GEMMA4_QAIC_CACHE", str(cache.parent))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "export").symlink_to(exported[1])
+    (json_block,) = readme_blocks("json")
+    (tmp_path / "requests.jsonl").write_text("\n".join(json_block) + "\n")
+    for argv, shown in commands:
+        assert main(argv) == 0, argv
+        printed = capsys.readouterr().out.splitlines()
+        missing = [line for line in shown if line not in printed]
+        assert not missing, (argv, missing, printed[-12:])
+        if argv[0] == "export":
+            head = next(i for i, line in enumerate(printed) if line.split()[-1:] == ["ok"])
+            verified = [line.split() for line in printed[head + 1 :] if line.strip()]
+            assert {r[0] for r in verified} == {"vision", "prefill", "decode"}
+            assert all(r[-1] == "ok" for r in verified) and len(verified) >= 10
+            assert manifest(tmp_path / "cb")["options"]["verify"] is True
 
 
 def test_failed_export_leaves_nothing(cache, tmp_path, monkeypatch):
