@@ -5,10 +5,11 @@
 `segments` cuts the top-level nodes into each layer call alone (with the Casts of its own
 weights) and the runs of glue between calls; `Runner` runs them in order, each as its own
 onnxruntime model, dropping values no later segment reads; a layer call's weights read from
-the very bytes `ref` read are fed `ref`'s arrays (`bound_weights`); a glue segment that
-projects onto the output head runs a slice of the head's rows at a time (`vocab_slices`), after
-being cut at the projection when it also reads the projection whole (`head_cut`: the speculate
-graph's acceptance and drafts).
+the very bytes `ref` read are fed `ref`'s arrays (`supplied_weights.bound_weights`); a glue
+segment that projects onto the output head runs a slice of the head's rows at a time
+(`vocab_slices`), after being cut at the projection when it also reads the projection whole
+(`head_cut`: the speculate graph's acceptance and drafts); a call `verify` by layer function
+does not check is skipped, given stand-ins (`Runner.skip`).
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ from onnx import helper
 from codegen import graphs
 from codegen.check.device_graph import Inexact
 from codegen.check.head_slices import head_cut, head_rows, rows_before_cast, vocab_slices
-from codegen.check.supplied_weights import Supplier, same_bytes
+from codegen.check.supplied_weights import Supplier, bound_weights
 from codegen.folder.sessions import give_back, session_at
 
 
@@ -255,15 +256,18 @@ class Runner:
 
     def _run(self, seg, feed):
         out = self._outputs(seg, feed)
-        index = self.next
-        self.next += 1
+        self._past(seg)
         for n, v in zip(seg.makes, out, strict=True):
             if n in self.outputs and seg.layer is None:
                 self.made[n] = v
-        for n in seg.needs:
-            if self.last_use.get(n) == index and n not in self.outputs:
-                self.values.pop(n, None)
         return dict(zip(seg.makes, out, strict=True))
+
+    def _past(self, seg):
+        """Move past segment `seg` (the next), dropping the values it read last."""
+        self.next += 1
+        for n in seg.needs:
+            if self.last_use.get(n) == self.next - 1 and n not in self.outputs:
+                self.values.pop(n, None)
 
     def glue_until(self, call):
         """Run the glue before layer call `call` (all remaining glue when None)."""
@@ -318,6 +322,15 @@ class Runner:
                 self.values[n] = np.asarray(v)
         return [glue.get(n) for n in args], ours
 
+    def skip(self, call, made):
+        """Layer call `call` not run: its results are `made` (stand-ins `ref` is given too)."""
+        self.glue_until(call)
+        seg = self.segments[self.next]
+        self._past(seg)
+        for n, v in zip(seg.nodes[-1].output, made, strict=True):
+            if self.last_use.get(n, -1) >= self.next:
+                self.values[n] = np.asarray(v)
+
     def released(self, call, names, made):
         """`released` for layer call `call`, onnxruntime's `names` of its results `made`."""
         return released(made, names, self.outputs, self.last_use, self.calls[call])
@@ -337,38 +350,6 @@ def released(made, names, outputs, last_use, at):
         graphs.Released(v.shape, v.dtype) if n in outputs and last_use.get(n, -1) <= at else v
         for n, v in zip(names, made, strict=True)
     )
-
-
-def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
-    """(the layer call segment `seg` with each weight input the graph reads from the bytes of
-    the checkpoint tensor `ref` read for it — the initializer itself if float32, or its Cast
-    to float32 — made a segment input; {that input: `ref`'s float32 array}). The values are
-    the same (a widening cast is exact); a weight bound to any other bytes keeps the graph's
-    own initializer, so onnxruntime computes with what the graph holds."""
-    node = seg.nodes[-1]
-    made_by = {o: n for n in seg.nodes[:-1] for o in n.output}
-    dropped, bound = set(), {}
-    for x, (name, array) in zip(node.input[n_arrays:], weights, strict=True):
-        source, cast = x, made_by.get(x)
-        if cast is not None:
-            to = next((a.i for a in cast.attribute if a.name == "to"), None)
-            if cast.op_type != "Cast" or to != onnx.TensorProto.FLOAT or len(cast.input) != 1:
-                continue
-            source = cast.input[0]
-        elif inits.get(x) is None or inits[x].data_type != onnx.TensorProto.FLOAT:
-            continue
-        info = tensors.get(name)
-        if source in inits and info is not None and same_bytes(inits[source], info, folder):
-            bound[x] = np.asarray(array)
-            dropped.add(id(cast))
-    if not bound:
-        return seg, {}
-    nodes = [n for n in seg.nodes if id(n) not in dropped]
-    read = {i for n in nodes for i in n.input}
-    seg = dataclasses.replace(
-        seg, nodes=nodes, needs=[*seg.needs, *bound], weights=[w for w in seg.weights if w in read]
-    )
-    return seg, bound
 
 
 @dataclasses.dataclass

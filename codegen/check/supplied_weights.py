@@ -6,6 +6,7 @@ session (`SessionOptions.add_initializer`; a float32 or float16 one is used in p
 bfloat16 one copied). onnxruntime reading them itself cost a 31B decode layer of the sparse
 benchmark checkpoint 2.5 s a pass, most of it the kernel zero-filling holes."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -73,3 +74,35 @@ class Supplier:
                 value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, tensor.data_type)
                 out[tensor.name] = (value, a)
         return out
+
+
+def bound_weights(seg, n_arrays, weights, inits, folder, tensors):
+    """(the layer call segment `seg` with each weight input the graph reads from the bytes of
+    the checkpoint tensor `ref` read for it — the initializer itself if float32, or its Cast
+    to float32 — made a segment input; {that input: `ref`'s float32 array}). The values are
+    the same (a widening cast is exact); a weight bound to any other bytes keeps the graph's
+    own initializer, so onnxruntime computes with what the graph holds."""
+    node = seg.nodes[-1]
+    made_by = {o: n for n in seg.nodes[:-1] for o in n.output}
+    dropped, bound = set(), {}
+    for x, (name, array) in zip(node.input[n_arrays:], weights, strict=True):
+        source, cast = x, made_by.get(x)
+        if cast is not None:
+            to = next((a.i for a in cast.attribute if a.name == "to"), None)
+            if cast.op_type != "Cast" or to != onnx.TensorProto.FLOAT or len(cast.input) != 1:
+                continue
+            source = cast.input[0]
+        elif inits.get(x) is None or inits[x].data_type != onnx.TensorProto.FLOAT:
+            continue
+        info = tensors.get(name)
+        if source in inits and info is not None and same_bytes(inits[source], info, folder):
+            bound[x] = np.asarray(array)
+            dropped.add(id(cast))
+    if not bound:
+        return seg, {}
+    nodes = [n for n in seg.nodes if id(n) not in dropped]
+    read = {i for n in nodes for i in n.input}
+    seg = dataclasses.replace(
+        seg, nodes=nodes, needs=[*seg.needs, *bound], weights=[w for w in seg.weights if w in read]
+    )
+    return seg, bound

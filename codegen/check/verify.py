@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 
 from codegen import graphs
-from codegen.check import layerwise, segments
+from codegen.check import by_function, layerwise, segments
 from codegen.check.layer_buffers import float32_bytes
 from codegen.folder import paired
 from codegen.folder.manifest import VerifyError
@@ -65,12 +65,22 @@ def _whole(spec, entry, folder, checkpoint, seed):
     return rows
 
 
-def _layered(spec, model, folder, checkpoint, seed, log):
-    """Rows as `_whole`'s, checked layer by layer (`check.layerwise`) on the graph `model`."""
+def _layered(spec, model, folder, checkpoint, seed, log, chosen=None):
+    """Rows as `_whole`'s, checked layer by layer (`check.layerwise`) on the graph `model`;
+    chosen: the calls checked by layer function (`by_function.chosen_calls`), None: all."""
     rows = []
     for s in spec.specializations:
         feed = _sample(spec, s, seed)
-        found = layerwise.verify_specialization(spec, model, folder, checkpoint, feed, log=log)
+        found = layerwise.verify_specialization(
+            spec,
+            model,
+            folder,
+            checkpoint,
+            feed,
+            log,
+            chosen,
+            by_function.StandIns(seed, checkpoint),
+        )
         rows += [(s["name"], *r) for r in found]
         worst = max(found, key=lambda r: r[2])
         bad = sum(not r[-1] for r in found)
@@ -133,25 +143,44 @@ def opened(folder, check_shards=True, graphs=None, specializations=None):
     return folder, checkpoint, selected(folder, manifest, checkpoint, graphs, specializations)
 
 
+def _ways(spec, entry, model, checkpoint, layerwise_given, calls):
+    """ "functions", "layers" or "whole": `way`, then by layer function when a graph checked
+    layer by layer calls for it (`by_function.use_by_function`; calls "one" asks for it)."""
+    given = True if calls == "one" else layerwise_given
+    how = way(spec, entry, model, checkpoint, given)
+    if how == "layers" and by_function.use_by_function(spec, model, checkpoint, calls):
+        return "functions"
+    return how
+
+
+WAYS = {"functions": "by layer function", "layers": "layer by layer", "whole": "whole graph"}
+
+
 def verify(
     folder, *, seed=0, check_shards=True, layerwise_given=None, log=None, graphs=None,
-    specializations=None,
+    specializations=None, calls=None,
 ):  # fmt: skip
     """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
     graph, specialization and output of the export in `folder` (checked first:
     `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
     layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
     by layer, per layer and per specialization. graphs, specializations: the names of those to
-    check (default all; `selected`)."""
+    check (default all; `selected`). calls: "one" checks the layer graphs by layer function
+    (`by_function`: a row "bindings" for the proof, one call per function chosen by `seed`),
+    "every" each call; None: by function where `by_function.use_by_function` says."""
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     rows = []
     for entry, spec, model in chosen:
-        how = way(spec, entry, model, checkpoint, layerwise_given)
+        how = _ways(spec, entry, model, checkpoint, layerwise_given, calls)
         gib = float32_bytes(spec, checkpoint) / 2**30
-        log(f"verify {spec.name}: {'layer by layer' if how == 'layers' else 'whole graph'} "
-            f"({gib:.2f} GiB of float32 weights)")  # fmt: skip
-        if how == "layers":
+        log(f"verify {spec.name}: {WAYS[how]} ({gib:.2f} GiB of float32 weights)")
+        if how == "functions":
+            picked = by_function.chosen_calls(model, seed, spec.name)
+            log(f"  {spec.name}: checked {by_function.described(picked, model)} (seed {seed})")
+            proof = by_function.proof_row(entry, model, folder, checkpoint, log)
+            found = [proof, *_layered(spec, model, folder, checkpoint, seed, log, picked)]
+        elif how == "layers":
             found = _layered(spec, model, folder, checkpoint, seed, log)
         else:
             found = _whole(spec, entry, folder, checkpoint, seed)

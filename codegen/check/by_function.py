@@ -1,0 +1,117 @@
+"""`verify` by layer function: the glue and one call of each distinct layer function checked
+numerically, every call's bindings proven (`codegen.check.bindings`).
+
+A lowering bug lives in a function's body, which every call of it shares; a wiring bug in a
+call's bindings. So a graph whose calls outnumber its functions is checked, by default at
+released size (`use_by_function`), as: the proof, from the graph and the checkpoint's
+headers alone, that every call binds its own layer's weights and inputs as `ref`'s
+composition does; then the layer-by-layer check (`layerwise.verify_specialization`) of one
+call per function, chosen by the seed (`chosen_calls`), against `ref` with that layer's real
+weights, and of all the glue. Every other call is stood in for on both sides by the same
+values (`stand_ins`): random results of its results' shapes, its weights never read, its
+caches never drawn, so the calls checked and the glue see inputs `ref` and onnxruntime
+share. `--exhaustive` checks every call instead.
+"""
+
+import zlib
+
+import jax
+import numpy as np
+
+from codegen import graphs
+from codegen.check import bindings
+from codegen.check.layer_buffers import float32_bytes
+from codegen.graphs import kinds
+
+# Graphs whose float32 weights exceed this are checked by layer function by default when they
+# call a function more than once (as `verify.LAYERWISE_BYTES`: every released size).
+BY_FUNCTION_BYTES = 256 << 20
+
+
+def use_by_function(spec, model, checkpoint, calls=None):
+    """True when `verify` checks this graph by layer function: calls "one" (asked for), or by
+    default (calls None) when its calls outnumber its distinct functions and its float32
+    weights exceed BY_FUNCTION_BYTES; calls "every": never."""
+    if calls is not None:
+        return calls == "one"
+    n, distinct = bindings.summary(model)
+    return n > distinct and float32_bytes(spec, checkpoint) > BY_FUNCTION_BYTES
+
+
+def chosen_calls(model, seed, graph):
+    """{function name: the index among the graph's layer calls of the one call checked},
+    drawn uniformly among each function's calls from `seed` and the graph's name."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    calls = [n.op_type for n in model.graph.node if (n.domain, n.op_type) in functions]
+    rng = np.random.default_rng([seed, zlib.crc32(graph.encode())])
+    out = {}
+    for fn in sorted(set(calls)):
+        mine = [k for k, c in enumerate(calls) if c == fn]
+        out[fn] = mine[int(rng.integers(len(mine)))]
+    return out
+
+
+def described(chosen, model):
+    """The calls checked as text: "SlidingDecoderLayer at call 3 (1 of its 50), …"."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    calls = [n.op_type for n in model.graph.node if (n.domain, n.op_type) in functions]
+    return ", ".join(
+        f"{fn} at call {k} (1 of its {calls.count(fn)})" for fn, k in sorted(chosen.items())
+    )
+
+
+def proof_row(entry, model, folder, checkpoint, log):
+    """The verify row of the bindings proof (`bindings.faults`): (specialization "all",
+    output "bindings", faults, 0.0, where, ok); log(line) names every fault."""
+    shapes = {n: i.shape for n, i in checkpoint.tensors.items()}
+    try:
+        spec = kinds.build(entry.kind, entry.name, checkpoint.config, shapes, entry.options,
+                           use_functions=True)  # fmt: skip
+    except kinds.KindError as e:
+        return ("all", "bindings", 1.0, 0.0, str(e), False)
+    found = bindings.faults(spec, model, folder, checkpoint)
+    for line in found:
+        log(f"  {entry.name}: {line}")
+    n, distinct = bindings.summary(model)
+    where = found[0] if found else f"{n} calls of {distinct} functions bound as ref binds them"
+    return ("all", "bindings", float(len(found)), 0.0, where, not found)
+
+
+class StandIns:
+    """The values a call not checked gives on both sides: its results' shapes and types
+    (`jax.eval_shape` of the layer, once per function and input shapes, weights as shapes
+    from the checkpoint's headers), drawn from the seed and the call's index."""
+
+    def __init__(self, seed, checkpoint):
+        self.seed, self.checkpoint, self.shapes = seed, checkpoint, {}
+
+    def _avals(self, kind, slot, arrays, names):
+        """(results' ShapeDtypeStructs, out_map, outputs' tree) of `slot` on `arrays`."""
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+        params = [jax.ShapeDtypeStruct(self.checkpoint.tensors[n].shape, np.float32) for n in names]
+        key = (kind, tuple((a.shape, str(a.dtype)) for a in args))
+        if key not in self.shapes:
+            found = {}
+
+            def body(*a):
+                distinct, found["map"], found["tree"] = slot.results(list(a))
+                return distinct
+
+            avals = jax.eval_shape(body, *args, *params)
+            self.shapes[key] = (avals, found["map"], found["tree"])
+        return self.shapes[key]
+
+    def results(self, k, kind, slot, arrays, names):
+        """(arrays, each one the call passes through drawn; stand-in results: `Drawn` for
+        float32, zeros otherwise; out_map; outputs' tree) of call k, whose weights are
+        checkpoint `names`."""
+        avals, out_map, tree = self._avals(kind, slot, arrays, names)
+        made = [
+            graphs.Drawn(tuple(a.shape), (self.seed, 1 + k, r))
+            if np.dtype(a.dtype) == np.float32
+            else np.zeros(a.shape, a.dtype)
+            for r, a in enumerate(avals)
+        ]
+        drawn = {j for src, j in out_map if src == "in"}  # passed through: `ref` reads it
+        arrays = [graphs.drawn(a) if j in drawn else a for j, a in enumerate(arrays)]
+        return arrays, made, out_map, tree
