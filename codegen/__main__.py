@@ -36,7 +36,9 @@ def _run_kit(args):
     return 0
 
 
-def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, specs=None):
+def _run_verify(
+    folder, seed, check_shards=True, layerwise=None, graphs=None, specs=None, calls=None
+):  # fmt: skip
     """onnxruntime against ref on the folder's graphs: the table, exit code 1 on a mismatch."""
     from codegen.check.verify import table, verify
 
@@ -47,7 +49,7 @@ def _run_verify(folder, seed, check_shards=True, layerwise=None, graphs=None, sp
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     rows = verify(
         folder, seed=seed, check_shards=check_shards, layerwise_given=layerwise, log=log,
-        graphs=graphs, specializations=specs,
+        graphs=graphs, specializations=specs, calls=calls,
     )  # fmt: skip
     print(table(rows))
     bad = [r for r in rows if not r[-1]]
@@ -119,6 +121,10 @@ def _run_drift(args):
 
 def _run_check(args):
     """`verify`: with --precision the device-precision run, else onnxruntime against ref."""
+    if args.calls == "one" and (args.layerwise is False or args.precision is not None):
+        given = "--whole" if args.layerwise is False else f"--precision {args.precision}"
+        raise ValueError(f"verify --by-function {given}: expected neither (by layer function "
+                         "is float32, layer by layer)")  # fmt: skip
     if args.precision is not None:
         return _run_precision(args)
     options = (("--write-npi", args.write_npi), ("--mxfp6", args.mxfp6),
@@ -128,7 +134,7 @@ def _run_check(args):
         raise ValueError(f"verify {' '.join(given)}: needs --precision (fp16, bf16, ...)")
     return _run_verify(
         args.out, args.seed, not args.skip_shard_check, args.layerwise, args.graphs,
-        args.specializations,
+        args.specializations, args.calls,
     )  # fmt: skip
 
 

@@ -49,6 +49,26 @@ def verify_parser(sub):
         const=False,
         help="check every graph whole (all its weights loaded at once)",
     )
+    calls = v.add_mutually_exclusive_group()
+    calls.add_argument(
+        "--exhaustive",
+        dest="calls",
+        action="store_const",
+        const="every",
+        help="check every layer call numerically (layer by layer at released size); default: "
+        "a graph over 256 MiB of float32 weights that calls a layer function more than once is "
+        "checked by layer function (see --by-function)",
+    )
+    calls.add_argument(
+        "--by-function",
+        dest="calls",
+        action="store_const",
+        const="one",
+        help="check the layer graphs by layer function: the glue and one call of each function "
+        "(chosen by --seed, named in the log) against ref with that layer's weights, and a "
+        "proof from the graph and the checkpoint's headers that every call binds its own "
+        "layer's weights and inputs as ref does (the row 'bindings')",
+    )
     _precision_arguments(
         v,
         precision_help="instead: run ref and the graphs as the device computes them in this "
