@@ -19,11 +19,14 @@ chunks × 16 KV blocks, decode kv_headpar 8 blocks with skip_kv, ctx_len 65536, 
 `--models E2B,31B`; `--full-batch-size N` exports continuous batching (N cache slots);
 `--graphs decode,prefill` verifies only those graphs (`verify --graph`); `--plan` runs
 `verify OUT --precision fp16 --write-npi` instead (the float16 node-precision plans).
+`verify OUT` goes by layer function at these sizes (`codegen.check.by_function`: the glue and
+one call per function, every call's bindings proven); `--exhaustive` passes `--exhaustive`
+(every call, layer by layer) to compare; `--seed N` chooses the calls checked.
 
 Goal (issue 23): peak RSS <= 8 GB for each.
 
     python benchmarks/verify_full_size.py [--models E2B] [--random all|N] [--production]
-        [--full-batch-size N] [--graphs NAMES] [--plan] [--keep DIR]
+        [--full-batch-size N] [--graphs NAMES] [--plan] [--exhaustive] [--seed N] [--keep DIR]
 """
 
 import argparse
@@ -148,6 +151,8 @@ def bench(name, root, args):
         verify += ["--graph", graph]
     if args.plan:
         verify += ["--precision", "fp16", "--write-npi"]
+    else:
+        verify += ["--seed", str(args.seed)] + (["--exhaustive"] if args.exhaustive else [])
     rc, wall, rss = child(verify, log)
     text = log.read_text(errors="replace")
     if args.plan:
@@ -157,6 +162,8 @@ def bench(name, root, args):
                 "log": str(log)}  # fmt: skip
     return {
         "model": name,
+        "way": "exhaustive" if args.exhaustive else "default",
+        "checked": [line.strip() for line in text.splitlines() if "(seed " in line],
         "export_s": export_s,
         "export_rss": export_rss,
         "verify_s": wall,
@@ -201,6 +208,12 @@ def main():
     p.add_argument("--plan", action="store_true",
                    help="instead of verify: `verify --precision fp16 --write-npi`, the float16 "
                         "node-precision plan of each graph (issue 41)")  # fmt: skip
+    p.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="verify every layer call (`verify --exhaustive`), not by layer function",
+    )
+    p.add_argument("--seed", type=int, default=0, help="verify's --seed: the calls checked")
     args = p.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="verify_full_size."))
     root.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,7 @@ def ref_calls(spec, shapes):
     jaxpr = ref_trace(spec, shapes).jaxpr
     names = [("input", t.name) for t in spec.inputs] + [("weight", n) for n in spec.weights]
     where = {v: Source(*s) for v, s in zip(jaxpr.invars, names, strict=True)}
+    where.update({v: Source("const", None) for v in jaxpr.constvars})  # arrays the trace holds
     frontier, calls = {}, []
 
     def source(v):
