@@ -305,13 +305,20 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log, chosen=Non
     calls, buffers, compiled = [], Buffers(), Compiled()
     started = time.perf_counter()
 
+    def agree(where, arrays, glue):
+        """Compare the call's inputs onnxruntime's glue made (`glue`) with `ref`'s."""
+        for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
+            if g is not None and not isinstance(a, graphs.Drawn):
+                worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")
+
     def stand_in(k, module, kind, slot, arrays):
         mine = layer_names(kind_weights(names, kind), module)
         arrays, made, out_map, tree = stand_ins.results(k, kind, slot, arrays, mine)
         named = runner.segments[runner.calls[k]].nodes[-1].output
         made = [m if isinstance(m, graphs.Released) else graphs.drawn(m)
                 for m in runner.released(k, named, made)]  # fmt: skip
-        runner.skip(k, made)
+        glue = runner.skip(k, len(arrays), made)
+        agree(f"layer {k} ({kind})", arrays, glue)
         calls.append(k)
         slot = dataclasses.replace(slot, out_map=out_map, out_tree=tree)
         return slot.outputs(arrays, made)
@@ -336,9 +343,7 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log, chosen=Non
         made = [spilled(m, folder) for m in made]  # on disk while onnxruntime runs the layer
         glue, ours = runner.layer(k, kind, given, weights, made)
         del weights, given
-        for j, (a, g) in enumerate(zip(arrays, glue, strict=True)):
-            if g is not None:
-                worst.add("layer inputs", g, a, f"{where} input {j}", exact=a.dtype.kind != "f")
+        agree(where, arrays, glue)
         named = runner.segments[runner.calls[k]].nodes[-1].output
         for n, o, r in zip(named, ours, made, strict=True):
             output = n if n in runner.outputs else "layer outputs"

@@ -322,14 +322,18 @@ class Runner:
                 self.values[n] = np.asarray(v)
         return [glue.get(n) for n in args], ours
 
-    def skip(self, call, made):
-        """Layer call `call` not run: its results are `made` (stand-ins `ref` is given too)."""
+    def skip(self, call, n_arrays, made):
+        """Layer call `call` not run: its results are `made` (stand-ins `ref` is given too)
+        → its first `n_arrays` inputs as onnxruntime's glue made them (None where not)."""
         self.glue_until(call)
         seg = self.segments[self.next]
+        node = seg.nodes[-1]
+        glue = [self.values.get(n) for n in node.input[:n_arrays]]
         self._past(seg)
-        for n, v in zip(seg.nodes[-1].output, made, strict=True):
+        for n, v in zip(node.output, made, strict=True):
             if self.last_use.get(n, -1) >= self.next:
                 self.values[n] = np.asarray(v)
+        return [g if _made(g) else None for g in glue]
 
     def released(self, call, names, made):
         """`released` for layer call `call`, onnxruntime's `names` of its results `made`."""

@@ -190,3 +190,25 @@ def test_a_body_bug_in_every_call_is_named_at_the_call_checked(copy):
         f"layer {picked[FULL]} ({FULL})"
     }, rows
     assert all(np.isfinite(r[3]) for r in rows)
+
+
+def test_a_glue_bug_feeding_a_call_not_checked_is_named_at_its_input(copy):
+    """The per-layer input of a call the seed does not pick scaled by 1 + 1e-3 in the glue:
+    the proof (where values come from) holds; the inputs of every call, checked or stood
+    in for, are compared with `ref`'s, so that call's input is named."""
+    model = _load(copy)
+    picked = by_function.chosen_calls(model, 1, "prefill")
+    k, call = next((k, c) for k, c in _calls(model) if k not in picked.values())
+    j = 1  # the layer's per-layer input (`DecoderLayer.__call__`'s second argument)
+    scale = helper.make_tensor("bug_scale", onnx.TensorProto.FLOAT, [], [1.001])
+    model.graph.initializer.append(scale)
+    model.graph.node.insert(
+        list(model.graph.node).index(call),
+        helper.make_node("Mul", [call.input[j], "bug_scale"], ["bug_input"]),
+    )
+    call.input[j] = "bug_input"  # fmt: skip
+    _save(copy, model)
+    rows, _ = _verify(copy, seed=1)
+    assert rows[0][-1], rows[0]
+    bad = [(r[2], r[5]) for r in rows if not r[-1]]
+    assert bad == [("layer inputs", f"layer {k} ({call.op_type}) input {j}")], rows
