@@ -25,13 +25,12 @@ one call (`by_function`).
 """
 
 import dataclasses
-import os
 
 import onnx
 from jax.extend.core import Literal
 
 from codegen.check.structure import ref_trace
-from codegen.check.supplied_weights import same_bytes
+from codegen.check.supplied_weights import Supplier
 
 LAYER_PREFIX = "layer_fn_"  # `codegen.graphs.layer_function`'s names
 SHAPE_OPS = ("Shape", "Size")
@@ -104,30 +103,22 @@ def ref_calls(spec, shapes):
     return Calls(calls, outputs, frontier)
 
 
-def _checkpoint_names(model, folder, tensors):
+def _checkpoint_names(model, folder, checkpoint):
     """{initializer name: checkpoint name} of the graph's initializers that are external data
-    at a checkpoint tensor's exact bytes (found by file and offset, then `same_bytes`)."""
-    at = {(os.path.realpath(i.file), i.offset): n for n, i in tensors.items()}
-    out = {}
-    for t in model.graph.initializer:
-        where = {e.key: e.value for e in t.external_data}
-        if t.data_location != onnx.TensorProto.EXTERNAL or "location" not in where:
-            continue
-        place = os.path.realpath(os.path.join(folder, where["location"]))
-        name = at.get((place, int(where.get("offset", 0) or 0)))
-        if name is not None and same_bytes(t, tensors[name], folder):
-            out[t.name] = name
-    return out
+    at a checkpoint tensor's exact bytes (`Supplier.checkpoint_name`: headers only)."""
+    supplier = Supplier(folder, checkpoint)
+    named = {t.name: supplier.checkpoint_name(t) for t in model.graph.initializer}
+    return {t: n for t, n in named.items() if n is not None}
 
 
-def graph_calls(model, folder, tensors):
+def graph_calls(model, folder, checkpoint):
     """`Calls` of the ONNX graph `model` of the export in `folder` (top-level nodes; a node
     calling one of the model's functions is a layer call). A weight is an initializer that is
-    external data at a checkpoint tensor's bytes (`tensors`: the checkpoint's headers), or
-    its widening Cast; its Source key is the initializer's own name (`faults` checks it)."""
+    external data at a checkpoint tensor's bytes (found by the checkpoint's headers), or its
+    widening Cast; its Source key is the initializer's own name (`faults` checks it)."""
     graph = model.graph
     functions = {(f.domain, f.name) for f in model.functions}
-    held = _checkpoint_names(model, folder, tensors)
+    held = _checkpoint_names(model, folder, checkpoint)
     where = {i.name: Source("input", i.name) for i in graph.input}
     for t in graph.initializer:
         external = t.data_location == onnx.TensorProto.EXTERNAL
@@ -254,7 +245,7 @@ def faults(spec, model, folder, checkpoint):
     the call; [] is the proof. checkpoint: its headers (`tensors`) only."""
     tensors = checkpoint.tensors
     ref = ref_calls(spec, {n: i.shape for n, i in tensors.items()})
-    graph, held = graph_calls(model, folder, tensors)
+    graph, held = graph_calls(model, folder, checkpoint)
     if [c[0] for c in ref.calls] != [c[0] for c in graph.calls]:
         return [f"the graph calls {[c[0] for c in graph.calls]}; ref calls "
                 f"{[c[0] for c in ref.calls]}"]  # fmt: skip
@@ -274,8 +265,13 @@ def faults(spec, model, folder, checkpoint):
     return out
 
 
+def layer_calls(model):
+    """The function names of the graph's top-level layer calls, in order."""
+    functions = {(f.domain, f.name) for f in model.functions}
+    return [n.op_type for n in model.graph.node if (n.domain, n.op_type) in functions]
+
+
 def summary(model):
     """(calls, distinct functions) of the graph's top-level layer calls."""
-    functions = {(f.domain, f.name) for f in model.functions}
-    called = [(n.domain, n.op_type) for n in model.graph.node if (n.domain, n.op_type) in functions]
+    called = layer_calls(model)
     return len(called), len(set(called))

@@ -41,8 +41,7 @@ def use_by_function(spec, model, checkpoint, calls=None):
 def chosen_calls(model, seed, graph):
     """{function name: the index among the graph's layer calls of the one call checked},
     drawn uniformly among each function's calls from `seed` and the graph's name."""
-    functions = {(f.domain, f.name) for f in model.functions}
-    calls = [n.op_type for n in model.graph.node if (n.domain, n.op_type) in functions]
+    calls = bindings.layer_calls(model)
     rng = np.random.default_rng([seed, zlib.crc32(graph.encode())])
     out = {}
     for fn in sorted(set(calls)):
@@ -53,8 +52,7 @@ def chosen_calls(model, seed, graph):
 
 def described(chosen, model):
     """The calls checked as text: "SlidingDecoderLayer at call 3 (1 of its 50), …"."""
-    functions = {(f.domain, f.name) for f in model.functions}
-    calls = [n.op_type for n in model.graph.node if (n.domain, n.op_type) in functions]
+    calls = bindings.layer_calls(model)
     return ", ".join(
         f"{fn} at call {k} (1 of its {calls.count(fn)})" for fn, k in sorted(chosen.items())
     )

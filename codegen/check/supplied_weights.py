@@ -47,7 +47,7 @@ class Supplier:
         for name, info in checkpoint.tensors.items():
             self.at[(os.path.realpath(info.file), info.offset)] = name
 
-    def _name(self, tensor):
+    def checkpoint_name(self, tensor):
         """The checkpoint tensor whose bytes initializer `tensor` is, or None."""
         where = {e.key: e.value for e in tensor.external_data}
         if tensor.data_location != onnx.TensorProto.EXTERNAL or "location" not in where:
@@ -63,7 +63,7 @@ class Supplier:
         self.buffers.reclaim()
         out = {}
         for tensor in model.graph.initializer:
-            name = self._name(tensor)
+            name = self.checkpoint_name(tensor)
             if name is None:
                 continue
             a = self.buffers.read(self.checkpoint, name, self.checkpoint.tensors[name].np_dtype)
