@@ -167,18 +167,6 @@ class _Matcher:
         self.ref, self.graph, self.held, self.tensors = ref, graph, held, tensors
         self.to_graph, self.to_ref = {}, {}
 
-    def _frontier(self, side, s):
-        if s.kind != "glue":
-            return frozenset({s})
-        return side.frontier[s.key]
-
-    def _canonical(self, sources):
-        """Graph frontier Sources with weights named by their checkpoint tensor."""
-        return frozenset(
-            Source("weight", self.held.get(_weight(s.key)[0], _weight(s.key)[0]))
-            if s.kind == "weight" else s for s in sources
-        )  # fmt: skip
-
     def fault(self, want, got):
         """Why the graph's Source `got` is not `ref`'s `want`, or None."""
         if want.kind == "weight" and got.kind == "weight":
@@ -209,7 +197,7 @@ class _Matcher:
         if theirs != got.key or ours != want.key:
             return f"glue value {got.key!r} stands where ref passes another value"
         a = self.ref.frontier[want.key]
-        b = self._canonical(self.graph.frontier[got.key])
+        b = self.graph.frontier[got.key]
         if a != b:
             extra = sorted(_say(s) for s in b - a)[:2]
             missing = sorted(_say(s) for s in a - b)[:2]
