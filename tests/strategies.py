@@ -83,3 +83,47 @@ def clip_samples(max_samples=12_000):
         st.integers(161, max_samples),
         st.sampled_from([161, 320, 321, 480, 481, 1_600, 6_400]),
     )
+
+
+# Gemma 4 replies (codegen.run.reply, codegen.run.stream)
+QUOTE = '<|"|>'  # the released template's string marks
+# text a field may hold: words, whitespace, punctuation and the marks' own characters
+PIECES = [*"ab <>|{}:,.\n\"'\\é", "call", "thought", "<|"]
+TEXT = st.lists(st.sampled_from(PIECES), max_size=8).map("".join)
+KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True)
+SCALARS = st.one_of(
+    TEXT, st.booleans(), st.integers(-(10**12), 10**12), st.floats(allow_nan=False,
+                                                                   allow_infinity=False),
+)  # fmt: skip
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+def written(value):
+    """A Gemma 4 tool call's argument as the released template's format_argument(escape_keys=
+    False) writes it (strings between quote marks, keys bare and sorted)."""
+    if isinstance(value, str):
+        return QUOTE + value + QUOTE
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{written(value[k])}" for k in sorted(value)) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(written, value)) + "]"
+    return str(value)
+
+
+@st.composite
+def replies(draw):
+    """(the reply's text, its thought, answer and calls): a thought or none, an answer, 0–2
+    calls, and the end of the turn (or the call's stop id, or nothing)."""
+    thought = draw(st.none() | TEXT)
+    answer = draw(TEXT)
+    calls = draw(st.lists(st.tuples(KEYS, st.dictionaries(KEYS, VALUES, max_size=3)),
+                          max_size=2))  # fmt: skip
+    text = "" if thought is None else f"<|channel>thought\n{thought}<channel|>"
+    text += answer + "".join(f"<|tool_call>call:{n}{written(a)}<tool_call|>" for n, a in calls)
+    text += draw(st.sampled_from(["", "<turn|>", "<|tool_response>"]))
+    return text, thought, answer, [{"name": n, "arguments": a} for n, a in calls]

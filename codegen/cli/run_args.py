@@ -46,9 +46,11 @@ def serve_parser(sub):
         metavar="FILE.jsonl",
         help="one request a line: {prompt_ids, patches, grids} or {prompt|prompt_ids, images, "
         "videos, video_fps, audios} or {messages} (a conversation, as run's --messages), "
+        "thinking (true: as run's --thinking), tools (a list, as run's --tools reads), "
         "max_new_tokens (16), arrival (the step it joins at, 0), chat (as run's --chat), "
-        "sample, temperature, top_k, top_p, seed (each request's own; the options below are "
-        "the defaults)",
+        "greedy, sample, temperature, top_k, top_p, seed (each request's own; the options "
+        "below are the defaults); a request with thinking or tools also prints its reply as "
+        'JSON: "request N reply: {"thought", "answer", "tool_calls"}"',
     )
     _generation_arguments(sv)
     sv.add_argument(
@@ -83,6 +85,23 @@ def _prompt_arguments(r):
         '"path": FILE} items, paths relative to the file\'s folder), rendered with the '
         "checkpoint's chat template and a generation prompt; its media are read in order as "
         "--image, --video and --audio read them",
+    )
+    r.add_argument(
+        "--thinking",
+        action="store_true",
+        help="render with the template's enable_thinking=True: the model thinks before it "
+        "answers, its thought (<|channel>thought ... <channel|>) printed to stderr after "
+        '"thought: ", the answer alone to stdout',
+    )
+    r.add_argument(
+        "--tools",
+        type=Path,
+        metavar="FILE.json",
+        help="tools the model may call: a JSON list of schemas as transformers' "
+        'apply_chat_template(tools=) takes them ({"type": "function", "function": {"name", '
+        '"description", "parameters"}}); a call it writes (<|tool_call>call:NAME{...}'
+        '<tool_call|>) is printed as a line "tool call: {"name": ..., "arguments": {...}}"; '
+        "the row stops there at the stop id <|tool_response>",
     )
     r.add_argument(
         "--image",
@@ -183,7 +202,7 @@ def _video_arguments(parser):
 
 def _generation_arguments(parser):
     """run's and serve's options of how generation stops and samples: --eos-id, --ignore-eos,
-    --sample, --temperature, --top-k, --top-p, --seed."""
+    --greedy, --sample, --temperature, --top-k, --top-p, --seed."""
     parser.add_argument(
         "--eos-id",
         type=arguments.token_ids,
@@ -197,10 +216,17 @@ def _generation_arguments(parser):
         help="never stop before --max-new-tokens (benchmarks)",
     )
     parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="greedy decoding, whatever generation_config.json says (the default where it has "
+        "no do_sample true)",
+    )
+    parser.add_argument(
         "--sample",
         action="store_true",
-        help="sample instead of greedy decoding, with generation_config.json's temperature, "
-        "top_k and top_p unless given (transformers' 1.0, 50, 1.0 where it names none)",
+        help="sample, as generation_config.json's do_sample true does by default, with its "
+        "temperature, top_k and top_p unless given (transformers' 1.0, 50, 1.0 where it names "
+        "none)",
     )
     parser.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
     parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0: all)")
@@ -208,7 +234,10 @@ def _generation_arguments(parser):
         "--top-p", type=float, help="sample from the least set of tokens holding this mass"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="sampling seed (0); the same seed, the same tokens"
+        "--seed",
+        type=int,
+        help="sampling seed (default: drawn, and printed to stderr); the same seed, the same "
+        "tokens",
     )
     parser.add_argument(
         "--no-speculate",

@@ -6,7 +6,9 @@ transformers' settings (trim_blocks, lstrip_blocks, loop controls, `raise_except
 images, videos and text in the order the prompt gives them (with a system message before it when
 asked), or a conversation as transformers takes it (`read_messages`, `parse_messages`: roles
 system/user/assistant/tool, content a string or a list of text/image/video/audio items, media by
-local path), its keys whose value is null dropped and its reasoning aliased as transformers does.
+local path), its keys whose value is null dropped and its reasoning aliased as transformers does;
+with tools (JSON schemas, `read_tools`/`parse_tools`) and thinking (`enable_thinking=True`)
+passed as transformers passes them, and refused where the template would drop them.
 
 The rendered text still holds one image or video placeholder per item; `run` expands and
 tokenizes it as any prompt (`ref.gemma4.multimodal.prompt_inputs`), without adding the
@@ -35,12 +37,17 @@ class ChatError(ValueError):
     """The folder's template cannot be read or rendered."""
 
 
-def _json(path):
+def _load(path, expected):
+    """A JSON file's value; one that cannot be read or parsed: ChatError "{expected} (why)"."""
     try:
         with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as e:
-        raise ChatError(f"{path}: {e}") from e
+        raise ChatError(f"{expected} ({e})") from e
+
+
+def _json(path):
+    value = _load(path, f"{path}: expected a JSON object")
     if not isinstance(value, dict):
         raise ChatError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -135,21 +142,61 @@ def _environment():
     return env
 
 
-def render(template, messages, specials, add_generation_prompt=True):
-    """The template rendered on `messages` with the named special tokens → str."""
+def render(template, messages, specials, add_generation_prompt=True, tools=None, thinking=False):
+    """The template rendered on `messages` with the named special tokens → str: `tools` (JSON
+    schemas, `parse_tools`) as its `tools`, and with `thinking` `enable_thinking=True` (left
+    undefined otherwise, as transformers leaves a keyword it is not given)."""
     from jinja2 import TemplateError
 
+    extra = {"enable_thinking": True} if thinking else {}
     try:
         compiled = _environment().from_string(template)
         return compiled.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **specials,
+            **extra,
         )
     except TemplateError as e:
         raise ChatError(f"the chat template failed: {e}") from e
+
+
+def check_options(template, tools, thinking, where):
+    """Refuse tools or thinking that `template` would drop without a word: a template that never
+    names `tools` (or `enable_thinking`), or no template at all. where: (what names the tools,
+    what names thinking) in an error."""
+    asked = {"tools": (tools is not None, where[0]), "enable_thinking": (thinking, where[1])}
+    for name, (given, option) in asked.items():
+        if given and (template is None or name not in template):
+            reason = "no chat template is used" if template is None else f"it never reads {name}"
+            raise ChatError(f"{option}: expected a chat template that reads {name} ({reason})")
+
+
+def read_tools(path):
+    """A JSON file of tools (`run --tools`) → the checked tools (`parse_tools`)."""
+    value = _load(path, f"--tools {path}: expected a JSON list of tools")
+    return parse_tools(value, f"--tools {path}")
+
+
+def parse_tools(value, where):
+    """Tools as transformers' `apply_chat_template(tools=)` takes JSON schemas: a non-empty list
+    of {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}
+    (name a string, parameters an object where given) → the list, as it is."""
+    if not isinstance(value, list) or not value:
+        raise ChatError(f"{where}: {_shown(value)}: expected a non-empty list of tools")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatError(
+                f'{where}: tool {i}: {_shown(tool)}: expected {{"type": "function", '
+                '"function": {"name": ..., "parameters": {...}}}'
+            )
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ChatError(f"{where}: tool {i}: parameters {_shown(function['parameters'])}: "
+                            "expected a JSON schema object")  # fmt: skip
+    return value
 
 
 def system_message(text):
@@ -160,11 +207,7 @@ def system_message(text):
 def read_messages(path):
     """A JSON file of messages (`run --messages`) → the checked messages, media paths relative
     to the file's folder (`parse_messages`)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ChatError(f"--messages {path}: expected a JSON list of messages ({e})") from e
+    value = _load(path, f"--messages {path}: expected a JSON list of messages")
     return parse_messages(value, f"--messages {path}", os.path.dirname(os.path.abspath(path)))
 
 
@@ -198,10 +241,25 @@ def _message(message, where, base):
         message["content"] = [_item(c, f"{where} item {k}", base) for k, c in enumerate(content)]
     elif content is not None and not isinstance(content, str):
         raise ChatError(f"{where}: content {_shown(content)}: expected a string or a list of items")
+    if "tool_calls" in message:
+        _tool_calls(message["tool_calls"], where)
     reasoning = next((message[k] for k in REASONING if k in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
+
+
+def _tool_calls(calls, where):
+    """Refuse tool_calls that are not a list of {"function": {"name": str, "arguments": object
+    or string}} (the OpenAI form transformers' templates read)."""
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", {}), dict | str)):  # fmt: skip
+            raise ChatError(
+                f"{where}: tool_calls {_shown(calls)}: expected a list of "
+                '{"function": {"name": ..., "arguments": {...}}}'
+            )
 
 
 def _item(item, where, base):

@@ -1,8 +1,8 @@
 """What `python -m codegen run` and `serve` read from the command line — image and video files
 (`codegen.run.media`), the export's tokenizer.json and chat template (`codegen.run.chat`), prompts,
-patch files, stop ids and sampling, a JSONL file of requests — turned into what
-`codegen.run.runtime.Runner` takes; and the two commands' output, `run`'s text streamed as it
-arrives."""
+patch files, tools, stop ids and sampling (`codegen.run.sampling`), a JSONL file of requests —
+turned into what `codegen.run.runtime.Runner` takes; and the two commands' output (`run`'s
+streamed by `codegen.run.stream`; serve's replies split by `codegen.run.reply`)."""
 
 import argparse
 import json
@@ -13,10 +13,12 @@ import numpy as np
 
 from codegen.run import chat
 from codegen.run.media import read_image, read_video
+from codegen.run.reply import split
 from codegen.run.runtime import Request, RunError, Runner
+from codegen.run.sampling import KEYS, described, flag, options_of, sampling_of, stop_of
 from codegen.run.sound import read_audio
+from codegen.run.stream import Stream, row_text
 from ref.gemma4.config import VisionConfig
-from ref.gemma4.decoding import Sampling
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import prompt_tokens
@@ -45,6 +47,10 @@ def default_soft_tokens(runner):
     return max(fits) if fits else min(runner.budgets, default=70)
 
 
+# what an error names run's --tools and --thinking by (a request: its line's keys)
+NAMES = ("--tools", "--thinking")
+
+
 def _photo_prompt(args, runner):
     """(prompt ids, items, tokenizer or None, audio clips) from --image, --video and --audio
     files with --prompt text or placeholder --prompt-ids
@@ -65,6 +71,8 @@ def _photo_prompt(args, runner):
         # a conversation or a system turn asks for the template as --chat does
         asked = True if messages is not None or system is not None else getattr(args, "chat", None)
         template = chat_template(asked, runner) if text else None
+        tools, thinking = getattr(args, "tools", None), getattr(args, "thinking", False)
+        chat.check_options(template, tools, thinking, getattr(args, "names", NAMES))
         if template is not None:
             specials = chat.special_tokens(runner.folder)
             if messages is None:
@@ -72,7 +80,7 @@ def _photo_prompt(args, runner):
                     prompt, len(args.image), len(videos), tokens, len(audios)
                 )
                 messages = [chat.system_message(system)] * (system is not None) + [message]
-            prompt = chat.render(template, messages, specials)
+            prompt = chat.render(template, messages, specials, tools=tools, thinking=thinking)
         # transformers adds no special tokens to a rendered text that starts with bos_token
         bare = "bos_token" in specials and prompt.startswith(specials["bos_token"])
         ids, patches, grids, clips = prompt_inputs(
@@ -109,30 +117,11 @@ def chat_template(asked, runner):
     return template
 
 
-def sampling_of(options, generation_config):
-    """The sampling of `run`'s options or a request's keys (sample, temperature, top_k, top_p,
-    seed): None (greedy) unless sample is set or a sampling value is given; the values not given
-    from generation_config.json."""
-    values = {k: options.get(k) for k in ("temperature", "top_k", "top_p", "seed")}
-    if not options.get("sample") and all(values[k] is None for k in values if k != "seed"):
-        return None
-    return Sampling.from_generation_config(generation_config, **values)
-
-
-def stop_of(eos_id, ignore_eos):
-    """The stop ids of --eos-id / --ignore-eos: None (the export's), (), or the given ids."""
-    if ignore_eos:
-        return ()
-    return None if eos_id is None else tuple(int(i) for i in eos_id)
-
-
-def _generation_options(args):
-    return {k: getattr(args, k, None) for k in ("sample", "temperature", "top_k", "top_p", "seed")}
-
-
-def read_run_messages(args):
-    """run's options with --messages FILE read (`chat.read_messages`; refused beside other prompt
-    options), or as they are."""
+def read_run_files(args):
+    """run's options with --tools FILE read (`chat.read_tools`) and --messages FILE read
+    (`chat.read_messages`; refused beside other prompt options)."""
+    if args.tools is not None:
+        args = argparse.Namespace(**{**vars(args), "tools": chat.read_tools(args.tools)})
     if args.messages is None:
         return args
     _alone("--messages", _beside_messages(args))
@@ -173,6 +162,9 @@ def inputs(args, runner):
         return _photo_prompt(_conversation_args(args), runner)
     if getattr(args, "system", None) is not None and (args.prompt is None or args.chat is False):
         raise RunError("--system TEXT: expected with --prompt, rendered by the chat template")
+    if args.prompt is None:  # ids are not rendered: thinking or tools would be dropped
+        chat.check_options(None, getattr(args, "tools", None), getattr(args, "thinking", False),
+                           getattr(args, "names", NAMES))  # fmt: skip
     if args.image or args.video or getattr(args, "audio", []) or args.prompt is not None:
         if args.patches or len(args.prompt_ids or []) > 1:
             raise RunError(
@@ -198,10 +190,11 @@ def inputs(args, runner):
 
 
 def main(args):
-    """`python -m codegen run`: prints progress to stderr (unless --quiet); with a tokenizer,
-    the row's text streamed to stdout as its tokens arrive; then each row's ids, comma-separated
-    and without the padding after a stop id, as the last lines."""
-    args = read_run_messages(args)
+    """`python -m codegen run`: prints progress to stderr (unless --quiet) and how it samples
+    (always: the seed repeats a run); with a tokenizer, the row's text streamed to stdout as its
+    tokens arrive (with --thinking or --tools split: `codegen.run.stream`); then each row's
+    ids, comma-separated and without the padding after a stop id, as the last lines."""
+    args = read_run_files(args)
     if args.skip_shard_check:
         print("run: shards not checked against manifest.json (--skip-shard-check)", file=sys.stderr)
     runner = Runner(
@@ -212,10 +205,14 @@ def main(args):
     quiet = getattr(args, "quiet", False)
     log = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        sampling = sampling_of(_generation_options(args), runner.generation_config)
+        sampling = sampling_of(options_of(args), runner.generation_config, flag)
     except ValueError as e:
         raise RunError(str(e)) from e
-    stream = Stream(tokenizer) if tokenizer is not None and len(rows) == 1 else None
+    if sampling is not None:
+        print(f"run: {described(sampling)} (--seed {sampling.seed} repeats it, --greedy turns "
+              "sampling off)", file=sys.stderr, flush=True)  # fmt: skip
+    split_reply = args.thinking or args.tools is not None
+    stream = Stream(tokenizer, split_reply) if tokenizer is not None and len(rows) == 1 else None
     stop = stop_of(args.eos_id, args.ignore_eos)
     tokens = runner.generate(
         rows,
@@ -244,93 +241,88 @@ def unpadded(row, stop):
     return row if not hits.size else row[: hits[0] + 1]
 
 
-class Stream:
-    """Row 0's text printed to stdout as its tokens arrive: the whole row decoded again at each
-    token and the new end printed, held back while it ends in an incomplete character (a byte
-    token of a longer UTF-8 sequence decodes to U+FFFD), as transformers' TextStreamer does."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
-
-    def __call__(self, row, token):
-        self.ids.append(int(token))
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-        if text.endswith("\ufffd") or not text.startswith(self.shown):
-            return
-        print(text[len(self.shown) :], end="", flush=True)
-        self.shown = text
-
-    def finish(self, row):
-        """End the streamed line: what is left of the row's text, or the note `row_text` gives
-        for a row without text."""
-        text = row_text(self.tokenizer, row)
-        if not self.shown.strip():
-            print(text)
-            return
-        print(text[len(self.shown) :] if text.startswith(self.shown) else "", flush=True)
-
-
-def row_text(tokenizer, row):
-    """A generated row's decoded text, or a visible note when the ids decode to nothing (ids
-    past tokenizer.json's vocabulary, or tokens whose text is empty)."""
-    text = tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
-    if not text.strip():
-        return f"(no text: the {len(row)} ids decode to {text!r})"
-    return text
-
-
 def read_requests(path, runner, defaults=None):
     """Requests from a JSONL file, one object a line: `prompt_ids` (image runs expanded, with
     `patches` [files .npy] and `grids` [[h, w]]) or `prompt` text / placeholder `prompt_ids`
     with `images` [image files], `videos` [frame folders, animations or video files] (with
     `video_fps` [one each], `video_frames` (32), `video_soft_tokens` (70)) and `audios` [audio
     files: WAV, or any format PyAV decodes], or `messages` (a conversation, as `run --messages`
-    reads it) in their place;
-    `max_new_tokens` (16) and `arrival` (step, 0); `chat` (`run`'s --chat), `sample`,
-    `temperature`, `top_k`, `top_p`, `seed` (default: `defaults`, serve's options). Paths are
-    relative to the file's folder."""
+    reads it) in their place; `thinking` (true: the template's enable_thinking) and `tools` (a
+    list of tools, as `run --tools` reads them); `max_new_tokens` (16) and `arrival` (step,
+    0); `chat` (`run`'s --chat), `greedy`, `sample`, `temperature`, `top_k`, `top_p`, `seed`
+    (default: `defaults`, serve's options; then generation_config.json, `codegen.run.sampling`).
+    Paths are relative to the file's folder; any other key is refused."""
+    return [request for request, _ in _read_requests(path, runner, defaults)]
+
+
+# a request's keys: its prompt (those a "messages" conversation replaces first), then the rest
+PROMPT_KEYS = ("prompt", "prompt_ids", "patches", "grids", "images", "videos", "audios")
+REQUEST_KEYS = (*PROMPT_KEYS, "messages", "max_soft_tokens", "video_fps", "video_frames",
+                "video_soft_tokens", "chat", "thinking", "tools", "max_new_tokens", "arrival",
+                *KEYS)  # fmt: skip
+
+
+def _read_requests(path, runner, defaults=None):
+    """`read_requests`, each request with the tokenizer that splits its reply (when it asked
+    for thinking or tools) or None → list of (Request, tokenizer or None)."""
     base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
         raise RunError(f"--requests {path}: {e}") from e
-    requests = []
-    for i, item in enumerate(lines):
-        where = lambda p: os.path.join(base, p)  # noqa: E731
-        args = argparse.Namespace(
-            prompt=item.get("prompt"),
-            prompt_ids=[item["prompt_ids"]] if "prompt_ids" in item else None,
-            image=[where(p) for p in item.get("images", [])],
-            patches=[where(p) for p in item.get("patches", [])],
-            grid=[tuple(g) for g in item.get("grids", [])],
-            max_soft_tokens=item.get("max_soft_tokens"),
-            video=[where(p) for p in item.get("videos", [])],
-            audio=[where(p) for p in item.get("audios", [])],
-            video_fps=item.get("video_fps", []),
-            video_frames=item.get("video_frames", VIDEO_FRAMES),
-            video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
-            chat=item.get("chat"),
-            messages=_request_messages(item, f"--requests {path} line {i + 1}", base),
-        )
-        rows, images, _, clips = inputs(args, runner)
-        n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
-        if not isinstance(arrival, int) or arrival < 0:
-            raise RunError(
-                f"--requests {path} line {i + 1}: arrival={arrival!r}: expected int >= 0"
-            )
-        options = {**(defaults or {}), **{k: item[k] for k in GENERATION_KEYS if k in item}}
-        try:
-            sampling = sampling_of(options, runner.generation_config)
-        except ValueError as e:
-            raise RunError(f"--requests {path} line {i + 1}: {e}") from e
-        requests.append(Request(np.asarray(rows[0]), images, n, arrival, sampling, audios=clips))
-    return requests
+    return [
+        _request(item, f"--requests {path} line {i + 1}", base, runner, defaults)
+        for i, item in enumerate(lines)
+    ]
 
 
-GENERATION_KEYS = ("sample", "temperature", "top_k", "top_p", "seed")
-# a request's keys that a "messages" conversation replaces
-PROMPT_KEYS = ("prompt", "prompt_ids", "patches", "grids", "images", "videos", "audios")
+def _request(item, where, base, runner, defaults):
+    """One line's (Request, tokenizer or None) (see `_read_requests`)."""
+    _known(item, where)
+    at = lambda p: os.path.join(base, p)  # noqa: E731
+    tools = item.get("tools")
+    args = argparse.Namespace(
+        prompt=item.get("prompt"),
+        prompt_ids=[item["prompt_ids"]] if "prompt_ids" in item else None,
+        image=[at(p) for p in item.get("images", [])],
+        patches=[at(p) for p in item.get("patches", [])],
+        grid=[tuple(g) for g in item.get("grids", [])],
+        max_soft_tokens=item.get("max_soft_tokens"),
+        video=[at(p) for p in item.get("videos", [])],
+        audio=[at(p) for p in item.get("audios", [])],
+        video_fps=item.get("video_fps", []),
+        video_frames=item.get("video_frames", VIDEO_FRAMES),
+        video_soft_tokens=item.get("video_soft_tokens", VIDEO_SOFT_TOKENS),
+        chat=item.get("chat"),
+        messages=_request_messages(item, where, base),
+        tools=None if tools is None else chat.parse_tools(tools, f"{where}: tools"),
+        thinking=item.get("thinking") is True,
+        names=(f"{where}: tools", f"{where}: thinking"),
+    )
+    rows, images, tokenizer, clips = inputs(args, runner)
+    n, arrival = item.get("max_new_tokens", 16), item.get("arrival", 0)
+    if not isinstance(arrival, int) or arrival < 0:
+        raise RunError(f"{where}: arrival={arrival!r}: expected int >= 0")
+    options = {**(defaults or {}), **{k: item[k] for k in KEYS if k in item}}
+    try:
+        sampling = sampling_of(options, runner.generation_config)
+    except ValueError as e:
+        raise RunError(f"{where}: {e}") from e
+    request = Request(np.asarray(rows[0]), images, n, arrival, sampling, audios=clips)
+    return request, tokenizer if args.thinking or args.tools is not None else None
+
+
+def _known(item, where):
+    """Refuse a line that is not an object of REQUEST_KEYS, or whose thinking is not a bool."""
+    if not isinstance(item, dict):
+        raise RunError(f"{where}: {json.dumps(item)[:60]}: expected a JSON object (a request)")
+    unknown = [k for k in item if k not in REQUEST_KEYS]
+    if unknown:
+        raise RunError(f"{where}: unknown key {unknown[0]!r}: expected keys among "
+                       f"{', '.join(REQUEST_KEYS)}")  # fmt: skip
+    if not isinstance(item.get("thinking", False), bool):
+        raise RunError(f"{where}: thinking={item['thinking']!r}: expected true or false")
 
 
 def _request_messages(item, where, base):
@@ -345,11 +337,20 @@ def _request_messages(item, where, base):
 
 def serve_main(args):
     """`python -m codegen serve`: continuous batching of a JSONL file of requests; prints the
-    step timeline to stderr and each request's ids to stdout."""
+    step timeline and each sampled request's sampling (its seed) to stderr, and each request's
+    ids to stdout, after its reply split into thought, answer and tool calls (one line of JSON)
+    where it asked for thinking or tools."""
     runner = Runner(args.out, check_shards=not args.skip_shard_check, speculate=args.speculate)
-    requests = read_requests(args.requests, runner, _generation_options(args))
+    read = _read_requests(args.requests, runner, options_of(args))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    for i, (request, _) in enumerate(read):
+        if request.sampling is not None:
+            log(f"request {i}: {described(request.sampling)}")
+    requests = [request for request, _ in read]
     tokens, _ = runner.serve(requests, log=log, stop=stop_of(args.eos_id, args.ignore_eos))
-    for i, row in enumerate(tokens):
+    for i, (row, (_, tokenizer)) in enumerate(zip(tokens, read, strict=True)):
+        if tokenizer is not None:
+            text = tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
+            print(f"request {i} reply: " + json.dumps(split(text), ensure_ascii=False))
         print(f"request {i}: " + ",".join(str(int(t)) for t in row))
     return 0

@@ -242,7 +242,8 @@ def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
     want, _ = hf_generate(hf, ids, patches, [(6, 6)], 30)
     np.save(tmp_path / "p.npy", patches[0])
     run = ["run", str(out), "--prompt-ids", ",".join(map(str, ids)), "--patches",
-           str(tmp_path / "p.npy"), "--grid", "6x6", "--max-new-tokens", "30"]  # fmt: skip
+           str(tmp_path / "p.npy"), "--grid", "6x6", "--max-new-tokens", "30",
+           "--greedy"]  # fmt: skip
     assert main(run) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.endswith(",".join(str(int(t)) for t in want))

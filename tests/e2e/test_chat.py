@@ -8,6 +8,7 @@ transformers' tokens for one."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from codegen.export.defaults import CHAT_TEMPLATE
 from codegen.run import chat, commands
 from codegen.run.media import read_image
 from codegen.run.runtime import RunError, Runner
+from ref.gemma4.decoding import Sampling
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
@@ -170,12 +172,24 @@ def test_run_renders_the_template_and_gives_transformers_tokens(exported, tmp_pa
     want, gap = greedy_with_gap(model, inputs, 8)
     assert gap > 1e-4
     assert (
-        main(["run", str(out), "--image", str(path), "--prompt", text, "--max-new-tokens", "8"])
+        main(
+            [
+                "run",
+                str(out),
+                "--image",
+                str(path),
+                "--prompt",
+                text,
+                "--max-new-tokens",
+                "8",
+                "--greedy",
+            ]
+        )
         == 0
     )
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
     # --no-chat sends the text as it is: other ids, other tokens (the template is what matters)
-    plain = ["run", str(out), "--image", str(path), "--prompt", text, "--no-chat"]
+    plain = ["run", str(out), "--image", str(path), "--prompt", text, "--no-chat", "--greedy"]
     assert main([*plain, "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] != ",".join(str(int(t)) for t in want)
 
@@ -191,7 +205,7 @@ def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsy
     want, _ = hf_generate(model, row, [], [], 12, eos=stop)
     assert len(want) <= 5
     run = ["run", str(out), "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "12"]
-    assert main([*run, "--eos-id", str(stop), "--quiet"]) == 0
+    assert main([*run, "--eos-id", str(stop), "--quiet", "--greedy"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
     got = Runner(out, check_shards=False).generate([row], max_new_tokens=12, stop=(stop,))
     np.testing.assert_array_equal(got, want[None])  # ends there: no step after the stop id
@@ -244,10 +258,51 @@ def user_turns(draw, kinds):
     return {"role": "user", "content": draw(st.permutations(items))}
 
 
+TYPES = ("string", "integer", "number", "boolean", "array", "object")
+
+
 @st.composite
-def conversations(draw, kinds=chat.MEDIA):
+def tools(draw):
+    """1–2 tools as JSON schemas (transformers' apply_chat_template(tools=) form)."""
+    found = []
+    for i in range(draw(st.integers(1, 2))):
+        names = draw(st.lists(st.sampled_from(WORDS[:9]), min_size=1, max_size=3, unique=True))
+        properties = {n: {"type": draw(st.sampled_from(TYPES)), "description": words(draw)}
+                      for n in names}  # fmt: skip
+        parameters = {"type": "object", "properties": properties,
+                      "required": names[: draw(st.integers(0, len(names)))]}  # fmt: skip
+        function = {"name": f"tool{i}", "description": words(draw), "parameters": parameters}
+        found.append({"type": "function", "function": function})
+    return found
+
+
+@st.composite
+def model_turns(draw, with_tools):
+    """The model's earlier turn as a client sends it back: its answer (with or without the
+    thought it wrote, which the template drops), or, with tools, a call with its reasoning
+    and the tool's response after it."""
+    answer = words(draw)
+    if draw(st.booleans()):
+        answer = f"<|channel>thought\n{words(draw)}<channel|>{answer}"
+    if not with_tools or draw(st.booleans()):
+        return [{"role": "assistant", "content": answer}]
+    arguments = {
+        w: draw(st.sampled_from([words(draw), 3, 2.5, True, [1, "a"], {"k": "v"}]))
+        for w in draw(st.lists(st.sampled_from(WORDS[:9]), max_size=2, unique=True))
+    }
+    call = {"id": "c0", "type": "function", "function": {"name": "tool0", "arguments": arguments}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if draw(st.booleans()):
+        turn["reasoning"] = words(draw)
+    response = {"role": "tool", "tool_call_id": "c0", "content": words(draw)}
+    after = draw(st.sampled_from([[], [{"role": "assistant", "content": answer}]]))
+    return [turn, response, *after]
+
+
+@st.composite
+def conversations(draw, kinds=chat.MEDIA, with_tools=False):
     """A system turn (a string or text items) or none, then 1–3 user turns with the model's
-    answers between them."""
+    answers between them (with tools: a call and its response among them, or at the end)."""
     messages = []
     if draw(st.booleans()):
         text = words(draw)
@@ -255,9 +310,18 @@ def conversations(draw, kinds=chat.MEDIA):
         messages.append({"role": "system", "content": content})
     for turn in range(draw(st.integers(1, 3))):
         if turn:
-            messages.append({"role": "assistant", "content": words(draw)})
+            messages += draw(model_turns(with_tools))
         messages.append(draw(user_turns(kinds)))
+    if with_tools and draw(st.booleans()):
+        messages += draw(model_turns(with_tools))
     return messages
+
+
+@st.composite
+def asks(draw, kinds=chat.MEDIA):
+    """(a conversation, its tools or None, thinking or not)."""
+    given = draw(st.none() | tools())
+    return draw(conversations(kinds, given is not None)), given, draw(st.booleans())
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +332,20 @@ def released():
 
 
 @settings(max_examples=examples(12), deadline=None)
-@given(messages=conversations())
-def test_conversations_render_as_apply_chat_template(released, media_folder, messages):
+@given(ask=asks())
+def test_conversations_render_as_apply_chat_template(released, media_folder, ask):
+    """With tools or without, thinking on or off (transformers given enable_thinking=False, we
+    leave it undefined), earlier model turns with their thought, a call and a tool's response."""
+    messages, given_tools, thinking = ask
     template, processor = released
     parsed = chat.parse_messages(messages, "drawn", media_folder)
-    ours = chat.render(template, parsed, SPECIALS)
-    want = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ours = chat.render(template, parsed, SPECIALS, tools=given_tools, thinking=thinking)
+    want = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, tools=given_tools,
+        enable_thinking=thinking,
+    )  # fmt: skip
     assert ours == want
+    assert ("<|think|>" in ours) == thinking and ("<|tool>" in ours) == (given_tools is not None)
     assert chat.media(parsed, "image") == [
         str(media_folder / i[k]) for m in messages if isinstance(m["content"], list)
         for i in m["content"] if i["type"] == "image" for k in chat.MEDIA_KEYS if k in i
@@ -282,14 +353,15 @@ def test_conversations_render_as_apply_chat_template(released, media_folder, mes
 
 
 @settings(max_examples=examples(4), deadline=None)
-@given(messages=conversations(kinds=("image",)))
-def test_conversation_ids_are_apply_chat_templates(released, media_folder, messages):
+@given(ask=asks(kinds=("image",)))
+def test_conversation_ids_are_apply_chat_templates(released, media_folder, ask):
     """The rendered conversation expanded with its images read in order of appearance equals
     apply_chat_template(tokenize=True)'s input_ids (images loaded from the same files)."""
+    messages, given_tools, thinking = ask
     template, processor = released
     parsed = chat.parse_messages(messages, "drawn", media_folder)
     ids, _, _, _ = prompt_inputs(
-        chat.render(template, parsed, SPECIALS),
+        chat.render(template, parsed, SPECIALS, tools=given_tools, thinking=thinking),
         [read_image(p) for p in chat.media(parsed, "image")],
         (),
         patch_size=PATCH,
@@ -299,8 +371,9 @@ def test_conversation_ids_are_apply_chat_templates(released, media_folder, messa
         max_soft_tokens=BUDGET,
     )
     want = processor.apply_chat_template(
-        parsed, add_generation_prompt=True, tokenize=True, return_dict=True
-    )["input_ids"]
+        parsed, add_generation_prompt=True, tokenize=True, return_dict=True, tools=given_tools,
+        enable_thinking=thinking,
+    )["input_ids"]  # fmt: skip
     np.testing.assert_array_equal(ids, np.asarray(want).reshape(-1))
 
 
@@ -337,7 +410,7 @@ def test_run_and_serve_give_a_conversations_transformers_tokens(exported, runner
     ]  # fmt: skip
     (tmp_path / "chat.json").write_text(json.dumps(messages))
     (tmp_path / "r.jsonl").write_text(json.dumps({"messages": messages, "max_new_tokens": 6}))
-    run = ["run", str(out), "--max-new-tokens", "6", "--quiet"]
+    run = ["run", str(out), "--max-new-tokens", "6", "--quiet", "--greedy"]
     argv = [*run, "--messages", str(tmp_path / "chat.json")]
     inputs = _hf_inputs(messages, tmp_path)
     np.testing.assert_array_equal(_run_ids(argv, runner), inputs["input_ids"][0].numpy())
@@ -348,7 +421,7 @@ def test_run_and_serve_give_a_conversations_transformers_tokens(exported, runner
     want = ",".join(str(int(t)) for t in want)
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines()[-1] == want
-    assert main(["serve", str(out), "--requests", str(tmp_path / "r.jsonl")]) == 0
+    assert main(["serve", str(out), "--requests", str(tmp_path / "r.jsonl"), "--greedy"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "request 0: " + want
     system = [*run, "--image", str(tmp_path / "photo.png"), "--system", "look at this"]
     system += ["--prompt", "<|image|> and this ?"]
@@ -358,7 +431,7 @@ def test_run_and_serve_give_a_conversations_transformers_tokens(exported, runner
 
 def _run_ids(argv, runner):
     """The prompt ids `run` sends for its arguments."""
-    return commands.inputs(commands.read_run_messages(parser().parse_args(argv)), runner)[0][0]
+    return commands.inputs(commands.read_run_files(parser().parse_args(argv)), runner)[0][0]
 
 
 BAD = [  # (messages file text, --requests "messages" or None, the error's words)
@@ -422,3 +495,108 @@ def test_messages_are_normalized_as_transformers_does():
     ]
     want = _alias_reasoning_fields(_normalize_chat_messages(messages))
     assert chat.parse_messages(messages, "test", ".") == want
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "tool0", "description": "look at the photo",
+    "parameters": {"type": "object", "properties": {"what": {"type": "string"}}},
+}}]  # fmt: skip
+# Gemma 4's instruct sampling (../shared/gemma4/SOURCE.md), the stop id the tiny model's
+SAMPLING = {"eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_k": 64, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def released_export(exported, tmp_path_factory):
+    """A copy of the export holding the released template and generation_config.json that
+    samples as the released instruct checkpoints do."""
+    folder = tmp_path_factory.mktemp("released") / "out"
+    shutil.copytree(exported[1], folder)
+    (folder / "chat_template.jinja").write_text(released_template())
+    (folder / "generation_config.json").write_text(json.dumps(SAMPLING))
+    return folder
+
+
+def test_thinking_tools_and_the_checkpoints_sampling(released_export, tmp_path, capsys):
+    """`run --messages --tools --thinking` and a serve request's "tools" and "thinking" send
+    apply_chat_template(tools=, enable_thinking=True)'s ids; run samples as generation_config
+    says, printing its seed (which repeats it), --greedy gives the greedy tokens; serve prints
+    a thinking request's reply split, then its ids."""
+    messages = [{"role": "system", "content": "look at this"},
+                {"role": "user", "content": "then that ?"}]  # fmt: skip
+    (tmp_path / "chat.json").write_text(json.dumps(messages))
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    line = {"messages": messages, "tools": TOOLS, "thinking": True, "max_new_tokens": 4}
+    (tmp_path / "r.jsonl").write_text(json.dumps(line))
+    runner = Runner(released_export, check_shards=False)
+    processor = hf_processor(word_tokenizer(), BUDGET, PATCH, chat_template=released_template())
+    want = np.reshape(processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, tools=TOOLS, enable_thinking=True
+    ), -1)  # fmt: skip
+    run = ["run", str(released_export), "--messages", str(tmp_path / "chat.json"), "--tools",
+           str(tmp_path / "tools.json"), "--thinking", "--max-new-tokens", "4",
+           "--quiet"]  # fmt: skip
+    np.testing.assert_array_equal(_run_ids(run, runner), want)
+    request = commands.read_requests(tmp_path / "r.jsonl", runner)[0]
+    np.testing.assert_array_equal(request.ids, want)
+    assert request.sampling == Sampling(1.0, 64, 0.95, request.sampling.seed)
+    assert main(run) == 0
+    out, err = capsys.readouterr()
+    seed = re.fullmatch(r"run: sampling: temperature 1.0, top_k 64, top_p 0.95, seed (\d+) "
+                        r"\(--seed \1 repeats it, --greedy turns sampling off\)\n",
+                        err)  # fmt: skip
+    assert seed, err
+    assert main([*run, "--seed", seed.group(1)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == out.splitlines()[-1]
+    greedy = runner.generate([np.asarray(want)], max_new_tokens=4)[0]
+    assert main([*run, "--greedy"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == ",".join(map(str, commands.unpadded(greedy, runner.stop)))
+    assert err == ""
+    assert main(["serve", str(released_export), "--requests", str(tmp_path / "r.jsonl"),
+                 "--seed", "5"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    reply, ids = out.splitlines()
+    assert reply.startswith("request 0 reply: ") and ids.startswith("request 0: ")
+    assert set(json.loads(reply.removeprefix("request 0 reply: "))) == {
+        "thought", "answer", "tool_calls"}  # fmt: skip
+    assert "request 0: sampling: temperature 1.0, top_k 64, top_p 0.95, seed 5" in err
+
+
+RUN = ["run", "--prompt", "look"]
+BAD_ASKS = [  # (the command and its arguments but the folder, T's text or None, the error's words)
+    ([*RUN, "--tools", "T"], "[{", "--tools .*T: expected a JSON list of tools"),
+    ([*RUN, "--tools", "T"], "{}", "--tools .*T: {}: expected a non-empty list of tools"),
+    ([*RUN, "--tools", "T"], '[{"name": "f"}]', 'tool 0: {"name": "f"}: expected {"type"'),
+    ([*RUN, "--thinking"], None, "--thinking: expected a chat template that reads "
+     r"enable_thinking \(it never reads enable_thinking\)"),
+    ([*RUN, "--thinking", "--no-chat"], None, "--thinking: .*no chat template is used"),
+    ([*RUN, "--greedy", "--top-k", "3"], None, "--greedy turns sampling off: expected no --top-k"),
+    (["serve", "--requests", "T"], '{"prompt": "look", "thinkng": true}',
+     "--requests .*T line 1: unknown key 'thinkng': expected keys among prompt, "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, text, words", BAD_ASKS)
+def test_bad_asks_are_one_line_and_exit_2(exported, tmp_path, capsys, argv, text, words):
+    """On the export's own template (which reads neither tools nor enable_thinking)."""
+    if text is not None:
+        (tmp_path / "T").write_text(text)
+    argv = [str(tmp_path / "T") if a == "T" else a for a in argv]
+    assert main([argv[0], str(exported[1]), *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(words, err), err
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [({"prompt": "look", "thinkng": True}, "line 1: unknown key 'thinkng': expected keys among"),
+     ({"prompt": "look", "thinking": "yes"}, "line 1: thinking='yes': expected true or false"),
+     ({"prompt": "look", "tools": {}}, "line 1: tools: {}: expected a non-empty list of tools"),
+     ({"prompt": "look", "greedy": True, "sample": True}, "line 1: greedy turns sampling off"),
+     ([1], "line 1: .1.: expected a JSON object")],
+)  # fmt: skip
+def test_bad_requests_are_refused(runner, tmp_path, line, words):
+    """(serve's exit 2 and one line: `test_bad_asks_are_one_line_and_exit_2`'s last case)"""
+    (tmp_path / "r.jsonl").write_text(json.dumps(line) + "\n")
+    with pytest.raises(ValueError, match=words):
+        commands.read_requests(tmp_path / "r.jsonl", runner)

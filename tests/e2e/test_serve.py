@@ -125,7 +125,7 @@ def test_serve_command_reads_requests(served, tmp_path, capsys):
     ]
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    assert main(["serve", runner.folder, "--requests", str(path)]) == 0
+    assert main(["serve", runner.folder, "--requests", str(path), "--greedy"]) == 0
     out, err = capsys.readouterr()
     want, _ = hf_generate(hf, ids, patches, [(6, 6)], 4)
     assert out.splitlines()[0] == "request 0: " + ",".join(str(int(t)) for t in want)
@@ -226,7 +226,7 @@ def test_serve_stops_at_a_stop_id_and_hands_the_slot_over(served, capsys):
     # the command line: --eos-id, two rows padded after the stop id, printed without the padding
     args = ["run", runner.folder, "--prompt-ids", ",".join(map(str, rows[0]))]
     args += ["--prompt-ids", ",".join(map(str, rows[1])), "--max-new-tokens", "8"]
-    assert main([*args, "--eos-id", str(stop), "--quiet"]) == 0
+    assert main([*args, "--eos-id", str(stop), "--quiet", "--greedy"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [",".join(str(int(t)) for t in w) for w in want[:2]]
 

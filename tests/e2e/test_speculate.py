@@ -169,7 +169,7 @@ def test_rounds_accept_every_count_and_report_it(dense, capsys):
     ids = prompt(np.random.default_rng(4), 14, [], 96)
     want, _ = hf_generate(hf, ids, [], [], 20, eos=None)
     args = ["run", runner.folder, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens",
-            "20", "--ignore-eos", "--skip-shard-check"]  # fmt: skip
+            "20", "--ignore-eos", "--skip-shard-check", "--greedy"]  # fmt: skip
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert out.splitlines()[-1] == ",".join(str(int(t)) for t in want)

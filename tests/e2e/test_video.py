@@ -141,7 +141,7 @@ def test_video_prompt_gives_transformers_tokens(exported, tmp_path_factory, caps
     args = ["run", str(out), "--image", str(folder / "photo.png"), "--prompt", text]
     for i, video in enumerate(videos):
         args += ["--video", str(save_animation(folder / f"clip{i}.png", *video))]
-    args += ["--video-frames", str(num_frames), "--max-new-tokens", str(NEW_TOKENS)]
+    args += ["--video-frames", str(num_frames), "--max-new-tokens", str(NEW_TOKENS), "--greedy"]
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
 
@@ -212,7 +212,7 @@ def test_serve_takes_video_requests(exported, tmp_path_factory, tmp_path, capsys
         lines.append(line)
     path = tmp_path / "requests.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    assert main(["serve", str(served), "--requests", str(path)]) == 0
+    assert main(["serve", str(served), "--requests", str(path), "--greedy"]) == 0
     got = capsys.readouterr().out.splitlines()
     assert got == [f"request {i}: " + ",".join(str(int(t)) for t in want)
                    for i, (want, _, _) in enumerate(wants)]  # fmt: skip

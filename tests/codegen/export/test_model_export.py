@@ -194,7 +194,7 @@ def test_run_command_prints_the_tokens(tmp_path_factory, tmp_path, capsys):
     for i, (patches, (h, w)) in enumerate(images):
         np.save(tmp_path / f"{i}.npy", patches)
         args += ["--patches", str(tmp_path / f"{i}.npy"), "--grid", f"{h}x{w}"]
-    assert main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert main([*args, "--max-new-tokens", str(NEW_TOKENS), "--greedy"]) == 0
     out, err = capsys.readouterr()
     assert out.strip().splitlines()[-1] == ",".join(str(int(t)) for t in want[0])
     assert "prefill chunk" in err and "decode step" in err

@@ -12,50 +12,11 @@ from transformers.utils.chat_parsing.response_parser import parse_response
 
 from codegen.run import chat
 from codegen.run.reply import CallError, Reply, parse_call, split
+from tests.strategies import KEYS, QUOTE, VALUES, replies, written
 from tests.util import examples, released_template
 
 GEMMA4 = _RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)]
 MARKS = ("<|channel>thought\n", "<channel|>", "<|tool_call>", "<turn|>", "<|tool_response>")
-Q = '<|"|>'
-# text a field may hold: words, whitespace, punctuation and the marks' own characters
-PIECES = [*"ab <>|{}:,.\n\"'\\é", "call", "thought", "<|"]
-TEXT = st.lists(st.sampled_from(PIECES), max_size=8).map("".join)
-KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True)
-SCALARS = st.one_of(
-    TEXT, st.booleans(), st.integers(-(10**12), 10**12), st.floats(allow_nan=False,
-                                                                   allow_infinity=False),
-)  # fmt: skip
-VALUES = st.recursive(
-    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3),
-    max_leaves=6,
-)  # fmt: skip
-
-
-def written(value):
-    """A value as the released template's format_argument(escape_keys=False) writes it."""
-    if isinstance(value, str):
-        return Q + value + Q
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{written(value[k])}" for k in sorted(value)) + "}"
-    if isinstance(value, list):
-        return "[" + ",".join(map(written, value)) + "]"
-    return str(value)
-
-
-@st.composite
-def replies(draw):
-    """(the reply's text, its thought, answer and calls): a thought or none, an answer, 0–2
-    calls, and the end of the turn (or the call's stop id, or nothing)."""
-    thought = draw(st.none() | TEXT)
-    answer = draw(TEXT)
-    calls = draw(st.lists(st.tuples(KEYS, st.dictionaries(KEYS, VALUES, max_size=3)),
-                          max_size=2))  # fmt: skip
-    text = "" if thought is None else f"<|channel>thought\n{thought}<channel|>"
-    text += answer + "".join(f"<|tool_call>call:{n}{written(a)}<tool_call|>" for n, a in calls)
-    text += draw(st.sampled_from(["", "<turn|>", "<|tool_response>"]))
-    return text, thought, answer, [{"name": n, "arguments": a} for n, a in calls]
 
 
 def fed(text, cuts):
@@ -130,7 +91,7 @@ def test_marks_cut_between_pieces():
 @pytest.mark.parametrize(
     "text, words",
     [("f{x:1}", "expected call:NAME"), ("call:f{x:1}}", "text after the arguments"),
-     ("call:f{x:" + Q + "a}", "no closing"), ("call:f{x:1;y:2}", "expected a string, number"),
+     ("call:f{x:" + QUOTE + "a}", "no closing"), ("call:f{x:1;y:2}", "expected a string, number"),
      ("call:f{:1}", "expected key:value"), ("call:f{x:1 y}", "expected a string, number")],
 )  # fmt: skip
 def test_calls_that_do_not_parse_say_where(text, words):
