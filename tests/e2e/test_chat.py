@@ -196,7 +196,7 @@ def test_run_renders_the_template_and_gives_transformers_tokens(exported, tmp_pa
 
 def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsys):
     """A stop id the model emits mid-generation (`--eos-id`) ends `run` where transformers'
-    generate ends; a seeded --sample repeats itself and top-k 1 is greedy."""
+    generate ends; two seeds draw other tokens and top-k 1 is greedy."""
     model, out = exported
     ids = [2, 9, 10, 11, 12]
     row = np.array(ids)
@@ -214,12 +214,12 @@ def test_run_stops_at_the_end_of_a_turn_and_samples_reproducibly(exported, capsy
     top1 = ["--eos-id", str(stop), "--ignore-eos", "--sample", "--top-k", "1", "--quiet"]
     assert main([*run, *top1]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == greedy
-    drawn = []
-    for seed in ("4", "4", "5"):
+    drawn = []  # (a seed repeats its tokens: test_thinking_tools_and_the_checkpoints_sampling)
+    for seed in ("4", "5"):
         hot = ["--ignore-eos", "--temperature", "4.0", "--top-k", "0", "--seed", seed, "--quiet"]
         assert main([*run, *hot]) == 0
         drawn.append(capsys.readouterr().out.splitlines()[-1])
-    assert drawn[0] == drawn[1] != drawn[2] and drawn[0] != greedy
+    assert drawn[0] != drawn[1] and greedy not in drawn
 
 
 # a conversation's media files, by kind (written by `media_folder`)
