@@ -26,7 +26,7 @@ from ref.gemma4 import decoding, speculative
 from ref.gemma4.audio_tower import AudioTower
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.kv_cache import init_cache
-from ref.gemma4.multimodal import prompt_inputs, soft_rows
+from ref.gemma4.multimodal import GEMMA4_MEDIA, prompt_inputs, soft_rows
 from ref.gemma4.params import TEXT
 from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
@@ -81,6 +81,8 @@ class Gemma4:
     id a finished row is padded with.
     """
 
+    media = GEMMA4_MEDIA  # how its processor reads pixels and samples
+
     def __init__(
         self,
         text_config,
@@ -126,6 +128,10 @@ class Gemma4:
         `model.audio_tower`/`model.embed_audio` where the config has an `audio_config`); mesh: see
         the class; generation_config: the checkpoint's generation_config.json as a dict (its
         stop and pad ids; None: config.json's)."""
+        if hf_config.get("model_type") == "gemma4_unified":
+            raise ValueError(
+                "model_type='gemma4_unified': load it with unified_model.Gemma4Unified"
+            )
         model = params.get("model", {})
         text = model.get("language_model", model)
         if "embed_tokens" not in text or "layers" not in text:
@@ -214,14 +220,13 @@ class Gemma4:
             raise ValueError("images or videos given but the model has no vision tower")
         if len(audios) and self.audio is None:
             raise ValueError(f"{len(audios)} audio clips given but the model has no audio tower")
-        c = self.vision.config if self.vision is not None else None
         ids, patches, grids, audios = prompt_inputs(
             prompt,
             images,
             videos,
             audios,
-            patch_size=c.patch_size if c else 1,
-            pooling_kernel_size=c.pooling_kernel_size if c else 1,
+            **self.media_sizes(),
+            media=self.media,
             tokens=self.tokens,
             tokenize=tokenize,
             max_soft_tokens=max_soft_tokens,
@@ -229,6 +234,11 @@ class Gemma4:
             num_frames=num_frames,
         )
         return self.generate(ids[None], patches, grids, audios=audios, **options)[0]
+
+    def media_sizes(self):
+        """The patch and pooling sizes its processor cuts images into (its tower's; 1 without)."""
+        c = getattr(self.vision, "config", None)
+        return {k: getattr(c, k, 1) for k in ("patch_size", "pooling_kernel_size")}
 
     def generate_embedded(
         self,

@@ -23,6 +23,7 @@ the image runs' (images and video frames, from the vision tower) and the audio r
 from the audio tower), each placeholder filled by the next.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,21 @@ from ref.gemma4.images import (
 )
 from ref.gemma4.prompts import GEMMA4_TOKENS, expand_prompt
 from ref.gemma4.schedule import image_runs
+
+
+@dataclass(frozen=True)
+class Media:
+    """How a model's processor reads pixels and samples: `images(images, max_soft_tokens, *,
+    patch_size, pooling_kernel_size)` → (patches, grids); `audio(samples, name)` → the clip
+    as [n] float32 (refusing what it cannot take); `audio_tokens(n)` → a clip's soft tokens.
+    Gemma 4's (`GEMMA4_MEDIA`) and the 12B Unified's (`ref.gemma4.unified_model`)."""
+
+    images: Callable = preprocess
+    audio: Callable = check_waveform
+    audio_tokens: Callable = audio_soft_tokens
+
+
+GEMMA4_MEDIA = Media()
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,7 @@ def prompt_inputs(
     max_soft_tokens=280,
     video_soft_tokens=VIDEO_SOFT_TOKENS,
     num_frames=VIDEO_FRAMES,
+    media=GEMMA4_MEDIA,
 ):
     """The model's inputs for one prompt with images and videos as pixels.
 
@@ -92,14 +109,15 @@ def prompt_inputs(
     one `tokens.audio_token` each, [n] float samples at 16 kHz, 1 ≤ n ≤ 480,000.
     → (ids [L] int64, patches: list of [h·w, 3·p·p] float32, grids: list of (h, w), one
     patches/grid pair per vision run of ids, in order; audios: the clips as [n] float32, in
-    order, each filling the next audio run of ids: a clip of ≤ 160 samples has no run).
+    order, each filling the next audio run of ids: a clip of ≤ 160 samples has no run);
+    media: the processor's readers (`Media`; Gemma 4's by default).
     """
-    audios = [check_waveform(a, f"audios[{i}]") for i, a in enumerate(audios)]
-    sounds = [audio_soft_tokens(len(a)) for a in audios]
+    audios = [media.audio(a, f"audios[{i}]") for i, a in enumerate(audios)]
+    sounds = [media.audio_tokens(len(a)) for a in audios]
     sizes = dict(patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
     image_patches, image_grids = [], []
     if len(images):
-        image_patches, image_grids = preprocess(images, max_soft_tokens, **sizes)
+        image_patches, image_grids = media.images(images, max_soft_tokens, **sizes)
     frame_patches, frame_grids, clips = [], [], []
     for i, video in enumerate(videos):
         try:
