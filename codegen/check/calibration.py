@@ -21,7 +21,8 @@ from codegen.run.runtime import Runner
 
 def recorded_feeds(folder, path, *, check_shards=True, log=None):
     """{graph kind: [(label, feed)]} of every graph call made generating the requests of
-    `path` with the export `folder`, in call order; label: "request R <kind> N"."""
+    `path` with the export `folder` (a path, or an opened `codegen.folder.opened.Export`), in
+    call order; label: "request R <kind> N"."""
     log = log or (lambda line: None)
     calls, current = {}, [0]
 

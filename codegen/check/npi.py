@@ -37,6 +37,7 @@ from codegen.check.layered_precision import plan_search, ref_first
 from codegen.check.plan_file import SUFFIX, PlanError, write_plan
 from codegen.check.precision import sample_feeds, stored_feed, whole_ref_first
 from codegen.check.verify import opened, way
+from codegen.folder.opened import open_folder
 from codegen.graphs import drawn_feed
 from ref import numerics
 
@@ -196,10 +197,11 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
     default by size), a graph checked layer by layer planned by `plan_layers`."""
     precision, kv = formats(precision, kv_dtype)
     log = log or (lambda line: None)
-    folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
+    export = open_folder(folder, check_shards=check_shards)  # once: calibration runs on it too
+    folder, checkpoint, chosen = opened(export, graphs=graphs, specializations=specializations)
     calls = None
     if prompts is not None:
-        calls = calibration.recorded_feeds(folder, prompts, check_shards=check_shards, log=log)
+        calls = calibration.recorded_feeds(export, prompts, log=log)
     plans = []
     for entry, spec, model in chosen:
         if calls is None:

@@ -53,8 +53,9 @@ def rule_plan(runner):
 
 
 def device_runner(folder, precision, plan):
-    """(a Runner over the folder whose graphs run in the device model with `plan` kept
-    float32, the number of node results it keeps: a body name's in every call)."""
+    """(a Runner over the folder (an opened `Export`, or a path) whose graphs run in the
+    device model with `plan` kept float32, the number of node results it keeps: a body
+    name's in every call)."""
     runner, count = Runner(folder, check_shards=False), 0
     for kind in list(runner.sessions):
         entry, model = _graph(runner, kind)
@@ -87,7 +88,7 @@ def plan_drift(folder, model, *, prompts, precision, max_new_tokens=8, seed=0):
     plans = {"none": {}, "measured": measured_plan(exact), "QEfficient's rule": rule_plan(exact)}
     rows = []
     for name, plan in plans.items():
-        runner, count = device_runner(folder, precision, plan)
+        runner, count = device_runner(exact.export, precision, plan)  # the folder opened once
         got = tokens(runner)
         same = sum(int(np.sum(g == w)) for g, w in zip(got, want, strict=True))
         identical = sum(bool(np.array_equal(g, w)) for g, w in zip(got, want, strict=True))

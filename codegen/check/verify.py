@@ -7,7 +7,6 @@ dense reference, not the blocked code that was exported) on the same float32 wei
 """
 
 import dataclasses
-import os
 import zlib
 
 import numpy as np
@@ -15,9 +14,9 @@ import numpy as np
 from codegen import graphs
 from codegen.check import by_function, layerwise, segments
 from codegen.check.layer_buffers import float32_bytes
-from codegen.folder import paired
 from codegen.folder.manifest import VerifyError
-from codegen.folder.sessions import load_graph, open_session, read_manifest
+from codegen.folder.opened import open_folder
+from codegen.folder.sessions import open_session
 from codegen.graphs import kinds
 
 RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reassociation
@@ -103,12 +102,13 @@ def way(spec, entry, model, checkpoint, layerwise_given=None):
     return "whole"
 
 
-def selected(folder, manifest, checkpoint, graphs=None, specializations=None):
-    """[(manifest entry, GraphSpec, ModelProto without weights)] of the graphs of the export
-    in `folder` named in `graphs` (default all), each spec keeping only its specializations
-    named in `specializations` (default all; a graph with none of them is left out). A name
-    the export lacks is a VerifyError. A specialization's sample does not depend on which
-    others are checked."""
+def selected(export, graphs=None, specializations=None):
+    """[(manifest entry, GraphSpec, ModelProto without weights)] of the graphs of the opened
+    `export` (`opened.Export`) named in `graphs` (default all), each spec keeping only its
+    specializations named in `specializations` (default all; a graph with none of them is
+    left out). A name the export lacks is a VerifyError. A specialization's sample does not
+    depend on which others are checked."""
+    folder, manifest, checkpoint = export.folder, export.manifest, export.checkpoint
     names = [e.name for e in manifest.graphs]
     unknown = sorted(set(graphs or ()) - set(names))
     if unknown:
@@ -130,17 +130,16 @@ def selected(folder, manifest, checkpoint, graphs=None, specializations=None):
         ]
         if keep:
             spec = dataclasses.replace(spec, specializations=tuple(keep))
-            out.append((entry, spec, load_graph(entry, folder, checkpoint)))
+            out.append((entry, spec, export.graph(entry)))
     return out
 
 
 def opened(folder, check_shards=True, graphs=None, specializations=None):
-    """(absolute folder, its checkpoint, `selected` graphs) of the export in `folder`, checked
-    first (`read_manifest`)."""
-    folder = os.path.abspath(folder)
-    manifest = read_manifest(folder, check_shards=check_shards)
-    checkpoint = paired.open_export(folder)
-    return folder, checkpoint, selected(folder, manifest, checkpoint, graphs, specializations)
+    """(absolute folder, its checkpoint, `selected` graphs) of the export `folder` (a path,
+    opened and checked first: `opened.open_folder`; or an `opened.Export`)."""
+    export = open_folder(folder, check_shards=check_shards)
+    chosen = selected(export, graphs, specializations)
+    return export.folder, export.checkpoint, chosen
 
 
 def _ways(spec, entry, model, checkpoint, layerwise_given, calls):
@@ -161,13 +160,14 @@ def verify(
     specializations=None, calls=None,
 ):  # fmt: skip
     """Rows (graph, specialization, output, max abs error, relative error, where, ok) for every
-    graph, specialization and output of the export in `folder` (checked first:
-    `read_manifest`). where: "whole graph", or for a graph checked layer by layer (`way`) the
-    layer (or "glue") with the largest error. log(line): progress, one line per graph and, layer
-    by layer, per layer and per specialization. graphs, specializations: the names of those to
-    check (default all; `selected`). calls: "one" checks the layer graphs by layer function
-    (`by_function`: a row "bindings" for the proof, one call per function chosen by `seed`),
-    "every" each call; None: by function where `by_function.use_by_function` says."""
+    graph, specialization and output of the export `folder` (a path, checked first:
+    `read_manifest`; or an `opened.Export`). where: "whole graph", or for a graph checked
+    layer by layer (`way`) the layer (or "glue") with the largest error. log(line): progress,
+    one line per graph and, layer by layer, per layer and per specialization. graphs,
+    specializations: the names of those to check (default all; `selected`). calls: "one"
+    checks the layer graphs by layer function (`by_function`: a row "bindings" for the proof,
+    one call per function chosen by `seed`), "every" each call; None: by function where
+    `by_function.use_by_function` says."""
     log = log or (lambda line: None)
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
     rows = []

@@ -23,11 +23,11 @@ batching's slot bookkeeping `codegen.run.slots`'.
 """
 
 import functools
-import os
 
 import numpy as np
 
-from codegen.folder.sessions import open_session, read_manifest
+from codegen.folder.opened import open_folder
+from codegen.folder.sessions import open_session
 from codegen.run import audio, speculation
 from codegen.run.errors import RunError
 from codegen.run.slots import Request, serve, slot_column
@@ -35,7 +35,7 @@ from codegen.run.vision import Vision
 from ref.gemma4 import decoding
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.text_config import TextConfig
-from weights import generation_config, open_checkpoint
+from weights import generation_config
 
 
 def ccl_for(ccls, position_ids):
@@ -58,21 +58,22 @@ class Runner:
 
     def __init__(self, folder, *, check_shards=True, decode_folder=None, on_call=None,
                  speculate=True):  # fmt: skip
-        """folder: an export with prefill and decode graphs, or a `--prefill-only` export
+        """folder: an export with prefill and decode graphs (a path, or an opened
+        `codegen.folder.opened.Export`: not opened again), or a `--prefill-only` export
         whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
         export with the same retained-state layout); on_call(kind, feed): told of every
         graph call before it runs (`verify --write-npi --prompts` records the feeds);
         speculate: with an export's speculate graph, greedy generation runs a round per call
         (`codegen.run.speculation`; False: the decode graph, a token per call)."""
         self.on_call = on_call or (lambda kind, feed: None)
-        self.folder = os.path.abspath(folder)
-        manifest = read_manifest(self.folder, check_shards=check_shards)
+        self.export = open_folder(folder, check_shards=check_shards)
+        self.folder, manifest = self.export.folder, self.export.manifest
         graphs = {g.kind: g for g in manifest.graphs}
-        self.checkpoint = open_checkpoint(self.folder)
+        self.checkpoint = self.export.checkpoint
         homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
         if decode_folder is not None:
-            decode_folder = os.path.abspath(decode_folder)
-            other = read_manifest(decode_folder, check_shards=check_shards)
+            decoding_side = open_folder(decode_folder, check_shards=check_shards)
+            decode_folder, other = decoding_side.folder, decoding_side.manifest
             entry = next((g for g in other.graphs if g.kind == "decode"), None)
             if entry is None:
                 raise RunError(f"{decode_folder} has no decode graph (export it --decode-only)")
@@ -83,7 +84,7 @@ class Runner:
                     "the same model, batch, ctx_len and cache options (an --assistant's K "
                     "sizes the sliding ring: give both sides the same)"
                 )
-            home = (decode_folder, open_checkpoint(decode_folder))
+            home = (decode_folder, decoding_side.checkpoint)
             graphs["decode"], homes["decode"] = entry, home
             for g in other.graphs:  # the decode side's speculate graph (its --assistant)
                 if g.kind == "speculate":

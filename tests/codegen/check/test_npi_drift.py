@@ -22,6 +22,7 @@ from codegen.check import verify as verify_module
 from codegen.check.plan_file import PlanError, read_npi
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import DEFAULT_CONFIG, default_tensors
+from codegen.folder import manifest, sessions
 from weights import save_checkpoint
 
 
@@ -64,7 +65,26 @@ def _compiled_names(folder, graph):
     return {o for nodes in bodies for n in nodes for o in n.output}
 
 
-def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, capsys):
+def _opened_count(monkeypatch):
+    """[manifest reads, shard checks] counted from now on (`codegen.folder.opened`: once a
+    command)."""
+    counts, load, check = [0, 0], manifest.load, sessions.check_folder
+
+    def counted_load(*a, **k):
+        counts[0] += 1
+        return load(*a, **k)
+
+    def counted_check(*a, **k):
+        counts[1] += 1
+        return check(*a, **k)
+
+    monkeypatch.setattr(manifest, "load", counted_load)
+    monkeypatch.setattr(sessions, "check_folder", counted_check)
+    return counts
+
+
+def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
     out = tmp_path / "out"
     model = _overflowing_vlm(tmp_path / "ckpt")
     export(ExportOptions(out=out, model=model, budgets=(70,), verify=False), log=lambda m: None)
@@ -106,7 +126,9 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
         with pytest.raises(PlanError, match=f"'{bad}' is not in graph 'vision' at its top"):
             read_npi(out / "bad.npi.yaml", graph)
     args = ["drift", str(out), "--plans", "--prompts", "2", "--max-new-tokens", "3"]
+    opened = _opened_count(monkeypatch)
     assert main(args) == 0
+    assert opened == [1, 0], opened  # four Runners, one opened folder (shards not checked)
     rows = {line[:18].strip(): line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["none"][1:3] == ["0", "0/6"], rows  # NaN soft tokens: no token right
     assert rows["measured"][1:3] == ["4", "6/6"], rows  # the cube in 3 calls, the Sub
@@ -131,7 +153,9 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
         "--graph",
         "vision",
     ]  # the language graphs' calibration: plans of 0 nodes
+    opened = _opened_count(monkeypatch)
     assert main(calibrate) == 0
+    assert opened == [1, 1], opened  # the folder opened once, its calibration Runner on it
     report = capsys.readouterr().out
     assert "vision: 2 node(s) in float32" in report and "request 1 vision 1" in report, report
     assert read_npi(out / "vision.npi.yaml", graph) == plan
