@@ -19,6 +19,7 @@ from codegen.check import head_slices, layerwise, segments
 from codegen.check.verify import verify
 from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import default_checkpoint
+from codegen.folder.opened import open_folder
 from codegen.graphs import text_config
 from codegen.graphs.decoder import cache_owners
 from ref.attention import reference
@@ -90,11 +91,11 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(out, monkeypatch):
     # the default for a tiny model is the whole graph; over the threshold, layer by layer
     from codegen.check import verify as v
 
-    checkpoint = open_checkpoint(out)
-    manifest = v.read_manifest(out, check_shards=False)
-    for entry in manifest.graphs:
+    export = open_folder(out, check_shards=False)
+    checkpoint = export.checkpoint
+    for entry in export.manifest.graphs:
         spec = v.rebuild(entry, checkpoint)
-        model = v.load_graph(entry, str(out), checkpoint)
+        model = export.graph(entry)
         assert v.way(spec, entry, model, checkpoint) == "whole"
         assert v.way(spec, entry, model, checkpoint, False) == "whole"
         small = v.float32_bytes(spec, checkpoint) - 1

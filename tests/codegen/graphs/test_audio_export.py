@@ -26,6 +26,7 @@ from codegen.__main__ import main
 from codegen.check import verify as v
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
+from codegen.folder.opened import open_folder
 from codegen.folder.sessions import open_session, read_manifest
 from codegen.graphs.audio import FRAMES_PER_TOKEN
 from ref.gemma4.audio_packing import pack, pack_frames
@@ -190,10 +191,10 @@ def test_layer_by_layer_gives_the_whole_graph_verdict(exported, monkeypatch):
     assert [r[5] for r in whole] == ["whole graph"] and layered[2][5].startswith("layer ")
     assert sum("(AudioLayer) checked" in line for line in lines) == TWO_LAYERS["num_hidden_layers"]
     # a tiny tower is checked whole by default; over the threshold, layer by layer
-    checkpoint = v.paired.open_export(str(out))
-    (entry,) = v.read_manifest(out, check_shards=False).graphs
+    export = open_folder(out, check_shards=False)
+    checkpoint, (entry,) = export.checkpoint, export.manifest.graphs
     spec = v.rebuild(entry, checkpoint)
-    model = v.load_graph(entry, str(out), checkpoint)
+    model = export.graph(entry)
     assert v.way(spec, entry, model, checkpoint) == "whole"
     monkeypatch.setattr(v, "LAYERWISE_BYTES", v.float32_bytes(spec, checkpoint) - 1)
     assert v.way(spec, entry, model, checkpoint) == "layers"
