@@ -30,7 +30,7 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
 from tests.hf_vision import randomize_
-from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE, text_config
+from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE, text_config, top2_gap
 
 VIDEO = 7  # the word tokenizer's <|video|> (tests/hf_processor.py)
 
@@ -241,3 +241,26 @@ def hf_unified(seed=5, **config):
         m.language_model.embed_tokens.weight.mul_(EMBED_SCALE)
         m.language_model.norm.weight.mul_(1 / EMBED_SCALE)
     return model
+
+
+HF_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values")
+HF_INPUTS += ("image_position_ids", "pixel_values_videos", "video_position_ids")
+HF_INPUTS += ("num_frames_per_video", "input_features", "input_features_mask")
+
+
+def hf_greedy(hf, inputs, new_tokens):
+    """transformers' greedy `generate` with a static cache → (new ids, least top-2 gap).
+
+    With a static cache transformers masks the prompt through the model's own
+    `create_masks_for_generate` (`create_masks_for_vision_model`: vision blocks bidirectional
+    on sliding layers only, inside the window), as Gemma 4 does; with the default dynamic cache
+    Gemma4UnifiedModel.forward calls masking_utils' generic one instead, which opens the
+    blocks on full layers too and past the window (measured: other tokens from the second on).
+    `ref` follows the former, Gemma 4's rule."""
+    with torch.no_grad():
+        out = hf.generate(
+            **inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            cache_implementation="static", output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    gap = top2_gap(np.stack([x[0].numpy() for x in out.logits]))
+    return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap

@@ -2,13 +2,14 @@
 each built through `codegen.graphs.kinds` (as `verify` rebuilds it from the manifest)."""
 
 from codegen import graphs
-from codegen.export.options import ExportError
+from codegen.export.options import EXPORT_DEFAULTS, ExportError
 from codegen.folder import paired
 from codegen.graphs import attention as attention_graph
 from codegen.graphs import audio as audio_graph
-from codegen.graphs import decoder, kinds
+from codegen.graphs import decoder, kinds, unified
 from codegen.graphs import model as model_graphs
 from codegen.graphs import vision as vision_graph
+from ref.blocking import VISION_TILES
 
 
 def _speculate(decode, shared, opts, cfg):
@@ -21,6 +22,27 @@ def _speculate(decode, shared, opts, cfg):
                                           tokens=rows * (decode["drafts"] + 1))  # fmt: skip
     return {**asked, "batch_size": shared["batch_size"], "ctx_len": shared["ctx_len"],
             "assistant": paired.assistant_options(opts.assistant)}  # fmt: skip
+
+
+def _embedders(config, opts, build, wants_vision):
+    """Gemma 4 12B Unified's embedder graphs in place of the towers (`codegen.graphs.unified`);
+    the towers' own options refused."""
+    if tuple(opts.vision_tiles) != VISION_TILES:
+        raise ExportError(
+            f"--vision-tiles {opts.vision_tiles}: gemma4_unified has no vision tower (its "
+            "vision embedder attends nowhere); leave the option out"
+        )
+    if opts.audio_clips != EXPORT_DEFAULTS["audio_clips"]:
+        raise ExportError(
+            f"--audio-clips {opts.audio_clips}: gemma4_unified has no audio tower (its frames "
+            "are embedded one by one); leave the option out"
+        )
+    specs = []
+    if opts.budgets and wants_vision and config.get("vision_config") is not None:
+        specs.append(build("embed_vision", "vision", {"budgets": list(opts.budgets)}))
+    if opts.audio_budgets and wants_vision and config.get("audio_config") is not None:
+        specs.append(build("embed_audio", "audio", {"budgets": list(opts.audio_budgets)}))
+    return specs
 
 
 def graph_specs(checkpoint, opts):
@@ -40,7 +62,9 @@ def graph_specs(checkpoint, opts):
     specs = []
     # a --decode-only export reads no image: its vision graph belongs to the prefill side
     wants_vision = not language or "prefill" in opts.phases
-    if opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
+    if unified.is_unified(checkpoint.config):
+        specs += _embedders(checkpoint.config, opts, build, wants_vision)
+    elif opts.budgets and wants_vision and vision_graph.vision_prefix(shapes) is not None:
         # vision_size < ctx_len binds only where a language graph reads the soft tokens
         vision_graph.check_budgets(opts.budgets, opts.ctx_len if language else None)
         asked = {"budgets": opts.budgets, "tiles": opts.vision_tiles}

@@ -28,7 +28,7 @@ from jax2onnx import onnx_function
 from jax2onnx.plugins.plugin_system import PLUGIN_REGISTRY
 
 from ref.blocking import for_phase
-from ref.gemma4.text_config import TextConfig
+from ref.gemma4 import unified_config
 
 # The repeated layers being exported: {function name: _Slot}, filled by the interceptor and read
 # by the slot's layer function, which jax2onnx traces again after the call returns; so it
@@ -350,6 +350,6 @@ def text_config(checkpoint_config):
     if not isinstance(text, dict) or "hidden_size" not in text or "vocab_size" not in text:
         return None
     try:
-        return TextConfig.from_hf(checkpoint_config)
+        return unified_config.any_text_config(checkpoint_config)
     except ValueError as e:
         raise GraphError(f"text_config: {e}") from e

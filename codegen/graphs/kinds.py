@@ -10,6 +10,7 @@ from codegen.graphs import attention as attention_graph
 from codegen.graphs import audio as audio_graph
 from codegen.graphs import model as model_graphs
 from codegen.graphs import speculate as speculate_graph
+from codegen.graphs import unified as unified_graphs
 from codegen.graphs import vision as vision_graph
 
 
@@ -23,6 +24,16 @@ def _audio(config, shapes, name, o, use_functions):
     return audio_graph.audio_graph(
         config, shapes, tuple(o["budgets"]), o["clips"], use_functions=use_functions
     )
+
+
+def _embed_vision(config, shapes, name, o, use_functions):
+    return unified_graphs.embed_vision_graph(config, shapes, o["budgets"],
+                                             use_functions=use_functions)  # fmt: skip
+
+
+def _embed_audio(config, shapes, name, o, use_functions):
+    return unified_graphs.embed_audio_graph(config, shapes, o["budgets"],
+                                            use_functions=use_functions)  # fmt: skip
 
 
 def _shared(o, use_functions):
@@ -60,6 +71,8 @@ def _attention(config, shapes, name, o, use_functions):
 BUILDERS = {
     "vision": _vision,
     "audio": _audio,
+    "embed_vision": _embed_vision,
+    "embed_audio": _embed_audio,
     "prefill": _language,
     "decode": _language,
     "speculate": _speculate,

@@ -7,11 +7,12 @@ row a request of its own under continuous batching)."""
 
 import numpy as np
 
+from codegen.run import unified
 from codegen.run.errors import RunError
 from ref.gemma4.audio_config import AudioConfig
-from ref.gemma4.audio_features import check_waveform, log_mel, num_soft_tokens
+from ref.gemma4.audio_features import log_mel
 from ref.gemma4.audio_packing import clip_frames, pack, pack_frames, soft_tokens
-from ref.gemma4.multimodal import soft_runs
+from ref.gemma4.multimodal import GEMMA4_MEDIA, soft_runs
 from ref.gemma4.schedule import image_runs
 
 
@@ -19,6 +20,8 @@ def embed_clips(hf_config, entry, run, clips):
     """Each clip's soft tokens → list of [n_i, text_hidden] float32 (n_i = 0 for a clip too
     short to have any). entry: the audio graph's manifest entry (None: no audio graph);
     run: feed → its outputs; clips: [n] float32 samples at 16 kHz each."""
+    if unified.is_unified(hf_config):
+        return unified.embed_clips(entry, run, clips)
     if not len(clips):
         return []
     if entry is None:
@@ -77,14 +80,14 @@ def merge(rows, vision_streams, vision_ids, audio_ids, clips, hidden):
     return streams
 
 
-def per_row(rows, clips, audio_id):
+def per_row(rows, clips, audio_id, media=GEMMA4_MEDIA):
     """Each row's clips → a list per row: rows are token-id arrays [L_i] whose audio runs (of
     `audio_id`) the clips ([n] float32 at 16 kHz) fill in order, row by row, one clip a run; a
     clip too short for soft tokens has no run and goes with the row of the clip after it (the
-    last row when none follows)."""
+    last row when none follows). media: the processor's readers (`ref.gemma4.multimodal`)."""
     ends = np.cumsum([len(image_runs(r, audio_id)) for r in rows])
     try:
-        heard = [num_soft_tokens(len(check_waveform(c, f"audio clip {i}"))) > 0
+        heard = [media.audio_tokens(len(media.audio(c, f"audio clip {i}"))) > 0
                  for i, c in enumerate(clips)]  # fmt: skip
     except ValueError as e:
         raise RunError(str(e)) from e

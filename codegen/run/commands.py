@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from codegen.run import chat
+from codegen.run import chat, unified
 from codegen.run.media import read_image, read_video
 from codegen.run.reply import split
 from codegen.run.runtime import Request, RunError, Runner
@@ -22,6 +22,7 @@ from ref.gemma4.config import VisionConfig
 from ref.gemma4.images import VIDEO_FRAMES, VIDEO_SOFT_TOKENS
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import prompt_tokens
+from ref.gemma4.unified_media import BLOCKS
 
 
 def read_tokenizer(folder):
@@ -51,6 +52,10 @@ def default_soft_tokens(runner):
 NAMES = ("--tools", "--thinking")
 
 
+def _tower_sizes(cfg):
+    return {"patch_size": cfg.patch_size, "pooling_kernel_size": cfg.pooling_kernel_size}
+
+
 def _photo_prompt(args, runner):
     """(prompt ids, items, tokenizer or None, audio clips) from --image, --video and --audio
     files with --prompt text or placeholder --prompt-ids
@@ -64,8 +69,9 @@ def _photo_prompt(args, runner):
     messages, system = getattr(args, "messages", None), getattr(args, "system", None)
     text = args.prompt is not None or messages is not None
     tokenizer = read_tokenizer(runner.folder) if text or videos else None
-    cfg = VisionConfig.from_hf(runner.checkpoint.config)
-    tokens = prompt_tokens(runner.checkpoint.config)
+    config = runner.checkpoint.config
+    sizes = BLOCKS if unified.is_unified(config) else _tower_sizes(VisionConfig.from_hf(config))
+    tokens = prompt_tokens(config)
     prompt, specials = args.prompt, {}
     try:
         # a conversation or a system turn asks for the template as --chat does
@@ -88,8 +94,8 @@ def _photo_prompt(args, runner):
             [read_image(p) for p in args.image],
             videos,
             audios,
-            patch_size=cfg.patch_size,
-            pooling_kernel_size=cfg.pooling_kernel_size,
+            **sizes,
+            media=unified.media(config),
             tokens=tokens,
             tokenize=None
             if tokenizer is None

@@ -28,13 +28,13 @@ import numpy as np
 
 from codegen.folder.opened import open_folder
 from codegen.folder.sessions import open_session
-from codegen.run import audio, speculation
+from codegen.run import audio, speculation, unified
 from codegen.run.errors import RunError
 from codegen.run.slots import Request, serve, slot_column
 from codegen.run.vision import Vision
 from ref.gemma4 import decoding
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
-from ref.gemma4.text_config import TextConfig
+from ref.gemma4.unified_config import any_text_config
 from weights import generation_config
 
 
@@ -68,7 +68,7 @@ class Runner:
         self.on_call = on_call or (lambda kind, feed: None)
         self.export = open_folder(folder, check_shards=check_shards)
         self.folder, manifest = self.export.folder, self.export.manifest
-        graphs = {g.kind: g for g in manifest.graphs}
+        graphs = {unified.ROLES.get(g.kind, g.kind): g for g in manifest.graphs}
         self.checkpoint = self.export.checkpoint
         homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
         if decode_folder is not None:
@@ -95,7 +95,7 @@ class Runner:
                 f"{self.folder} has no {' or '.join(missing)} graph: export with --graphs model"
                 + (" (or give the decode side's folder)" if missing == ["decode"] else "")
             )
-        self.text = TextConfig.from_hf(self.checkpoint.config)
+        self.text = any_text_config(self.checkpoint.config)
         self.entries = graphs
         self.sessions = {
             kind: open_session(graphs[kind], *homes[kind])
@@ -140,7 +140,8 @@ class Runner:
         self.check(rows, max_new_tokens)
         if self.slots is not None:
             it = iter(images)
-            clips = audio.per_row(rows, audios, self.text.audio_token_id)
+            clips = audio.per_row(rows, audios, self.text.audio_token_id,
+                                  unified.media(self.checkpoint.config))  # fmt: skip
             requests = [
                 Request(
                     r,

@@ -5,6 +5,7 @@ each call at the least budget that holds it; a row's soft tokens come back as on
 
 import numpy as np
 
+from codegen.run import unified
 from codegen.run.errors import RunError
 from ref.gemma4.config import VisionConfig
 from ref.gemma4.packing import pack, pack_patches
@@ -74,6 +75,8 @@ class Vision:
         hidden]."""
         if self.run is None:
             raise RunError("images given but the export has no vision graph")
+        if unified.is_unified(self.hf_config):
+            return unified.encode_blocks(row, row_runs, row_images, budget, self.run)
         cfg = VisionConfig.from_hf(self.hf_config)
         k = cfg.pooling_kernel_size
         grids = []

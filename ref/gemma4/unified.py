@@ -20,7 +20,6 @@ LayerNorm is torch's (eps 1e-5, biased variance), every norm computed in float32
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ref.gemma4.audio import Dense
 from ref.layers import Weight, linear, rms_norm
@@ -66,7 +65,8 @@ class Projection(nn.Module):
 
 def position_embedding(table, positions):
     """table [P, 2, D], positions [N, 2] as (x, y) → [N, D]: table[x, 0] + table[y, 1]."""
-    return table[positions[:, 0], 0] + table[positions[:, 1], 1]
+    x = jnp.take(table[:, 0], positions[:, 0], axis=0)
+    return x + jnp.take(table[:, 1], positions[:, 1], axis=0)
 
 
 class PatchEmbedder(nn.Module):
@@ -102,16 +102,6 @@ class VisionEmbedder(nn.Module):
         c = self.config
         x = PatchEmbedder(c, name="vision_embedder")(patches, positions)
         return Projection(c.text_hidden_size, c.rms_norm_eps, name="embed_vision")(x)
-
-
-def grid_positions(grids):
-    """Each item's blocks as (x, y), row-major, items one after another: grids [(h, w), …] in
-    blocks → [Σ h·w, 2] int32."""
-    out = [np.zeros((0, 2), np.int32)]
-    for h, w in grids:
-        y, x = np.divmod(np.arange(h * w, dtype=np.int32), w)
-        out.append(np.stack([x, y], axis=-1))
-    return np.concatenate(out)
 
 
 vision_apply = jax.jit(

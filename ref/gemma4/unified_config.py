@@ -132,6 +132,14 @@ def _embedder_config(config, key, cls):
     return cls(text_hidden_size=hidden, **_fields(cls, part))
 
 
+def any_text_config(config):
+    """The decoder's TextConfig of any Gemma 4 config dict: a gemma4_unified one read as
+    `text_config` does, the others by `TextConfig.from_hf`."""
+    if isinstance(config, dict) and config.get("model_type") == MODEL_TYPE:
+        return text_config(config)
+    return TextConfig.from_hf(config)
+
+
 def vision_config(config):
     """The UnifiedVisionConfig of a gemma4_unified config dict, or None without vision_config."""
     return _embedder_config(config, "vision_config", UnifiedVisionConfig)

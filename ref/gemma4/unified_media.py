@@ -33,6 +33,7 @@ from ref.gemma4.images import (
     target_size,
     to_rgb,
 )
+from ref.gemma4.multimodal import Media
 
 SAMPLES_PER_TOKEN = 640  # Gemma4UnifiedAudioFeatureExtractor.audio_samples_per_token
 BLOCK = 48  # pixels per side of a soft token: patch 16 · pooling 3
@@ -97,3 +98,17 @@ def audio_frames(samples, frame=SAMPLES_PER_TOKEN):
     x = check_audio(samples)
     pad = -len(x) % frame
     return np.pad(x, (0, pad)).reshape(-1, frame)
+
+
+def grid_positions(grids):
+    """Each item's blocks as (x, y), row-major, items one after another: grids [(h, w), …] in
+    blocks → [Σ h·w, 2] int32."""
+    out = [np.zeros((0, 2), np.int32)]
+    for h, w in grids:
+        y, x = np.divmod(np.arange(h * w, dtype=np.int32), w)
+        out.append(np.stack([x, y], axis=-1))
+    return np.concatenate(out)
+
+
+# the readers `ref.gemma4.multimodal.prompt_inputs` takes for this model's processor
+UNIFIED_MEDIA = Media(images=preprocess, audio=check_audio, audio_tokens=num_audio_tokens)

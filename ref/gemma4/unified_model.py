@@ -15,14 +15,16 @@ from ref import sharding
 from ref.gemma4 import decoding
 from ref.gemma4 import unified_config as U
 from ref.gemma4.model import Gemma4
-from ref.gemma4.multimodal import Media
 from ref.gemma4.prompts import prompt_tokens
 from ref.gemma4.tower import checkpoint_loader
-from ref.gemma4.unified import audio_apply, grid_positions, vision_apply
-from ref.gemma4.unified_media import BLOCKS, audio_frames, check_audio, num_audio_tokens
-from ref.gemma4.unified_media import preprocess as preprocess_images
-
-UNIFIED_MEDIA = Media(images=preprocess_images, audio=check_audio, audio_tokens=num_audio_tokens)
+from ref.gemma4.unified import audio_apply, vision_apply
+from ref.gemma4.unified_media import (
+    BLOCKS,
+    UNIFIED_MEDIA,
+    audio_frames,
+    check_audio,
+    grid_positions,
+)
 
 
 def _embedder_params(params, names):

@@ -22,12 +22,27 @@ from ref.gemma4 import unified_config as U
 from ref.gemma4.model import Gemma4
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
-from ref.gemma4.unified import grid_positions, vision_apply
-from ref.gemma4.unified_media import BLOCKS, audio_frames, num_audio_tokens, preprocess
-from ref.gemma4.unified_model import UNIFIED_MEDIA, Gemma4Unified
+from ref.gemma4.unified import vision_apply
+from ref.gemma4.unified_media import (
+    BLOCKS,
+    UNIFIED_MEDIA,
+    audio_frames,
+    grid_positions,
+    num_audio_tokens,
+    preprocess,
+)
+from ref.gemma4.unified_model import Gemma4Unified
 from tests.hf_processor import WORDS, word_backend, word_tokenizer
-from tests.hf_unified import VIDEO, ImageStandIn, VideoStandIn, hf_unified, unified_processor
-from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE, top2_gap
+from tests.hf_unified import (
+    HF_INPUTS,
+    VIDEO,
+    ImageStandIn,
+    VideoStandIn,
+    hf_greedy,
+    hf_unified,
+    unified_processor,
+)
+from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE
 from tests.util import examples, rel_err
 
 RTOL = 1e-5
@@ -35,9 +50,6 @@ CAUGHT = 100 * RTOL
 NEW_TOKENS = 6
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss
 FRAMES = 4  # frames kept of a video (the processor's 32 would make prompts of ~2,000 tokens)
-HF_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values")
-HF_INPUTS += ("image_position_ids", "pixel_values_videos", "video_position_ids")
-HF_INPUTS += ("num_frames_per_video", "input_features", "input_features_mask")
 
 
 def tokenize(text):
@@ -268,24 +280,6 @@ def test_ids_and_pixels_equal_the_processors(request):
     assert [len(a) for a in audios] == [len(c) for c in request[3]]
 
 
-def hf_greedy(hf, inputs):
-    """transformers' greedy `generate` with a static cache → (new ids, least top-2 gap).
-
-    With a static cache transformers masks the prompt through the model's own
-    `create_masks_for_generate` (`create_masks_for_vision_model`: vision blocks bidirectional
-    on sliding layers only, inside the window), as Gemma 4 does; with the default dynamic cache
-    Gemma4UnifiedModel.forward calls masking_utils' generic one instead, which opens the
-    blocks on full layers too and past the window (measured: other tokens from the second on).
-    `ref` follows the former, Gemma 4's rule."""
-    with torch.no_grad():
-        out = hf.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            cache_implementation="static", output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    gap = top2_gap(np.stack([x[0].numpy() for x in out.logits]))
-    return out.sequences[0, inputs["input_ids"].shape[1] :].numpy(), gap
-
-
 @settings(max_examples=examples(3), deadline=None)
 @given(requests(), st.sampled_from([None, 16]))
 def test_greedy_tokens_equal_transformers(models, request, chunk):
@@ -293,7 +287,7 @@ def test_greedy_tokens_equal_transformers(models, request, chunk):
     `generate` (static cache: see `hf_greedy`) on Gemma4UnifiedProcessor's output; chunks of
     16 keep each image and frame whole and may cut an audio run."""
     hf, ours = models
-    want, gap = hf_greedy(hf, hf_inputs(*request))
+    want, gap = hf_greedy(hf, hf_inputs(*request), NEW_TOKENS)
     assume(gap > MARGIN)
     text, images, videos, clips, budget = request
     got = ours.generate_from(
