@@ -4,6 +4,8 @@ onnxruntime as it exports), and `python -m codegen run --image F.png --audio F.w
 TEXT` gives the tokens transformers' `generate` gives on what Gemma4UnifiedProcessor makes of
 the same pixels, samples and text; the towers' options are refused in one line."""
 
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -11,6 +13,8 @@ from PIL import Image
 from codegen.__main__ import main
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
+from codegen.run.commands import read_requests
+from codegen.run.runtime import Runner
 from tests.hf_processor import word_backend, word_tokenizer
 from tests.hf_unified import HF_INPUTS, hf_greedy, hf_unified, unified_processor
 from tests.util import write_wav
@@ -23,32 +27,45 @@ BUDGET = 70
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(transformers model, its folder, export folder): vision budget 70, audio budget 50
-    frames, prefill chunks of 70 tokens."""
+    frames, prefill chunks of 70 tokens, 2 continuous-batching slots (`run` and `serve`)."""
     model = hf_unified(seed=8)
     folder = tmp_path_factory.mktemp("unified-model")
     model.save_pretrained(folder)
     word_backend().save(str(folder / "tokenizer.json"))
     out = tmp_path_factory.mktemp("unified-export") / "out"
     opts = ExportOptions(out=out, model=folder, budgets=(BUDGET,), audio_budgets=(50,),
-                         seq_len=BUDGET, ctx_len=256, hash_shards=False)  # fmt: skip
+                         seq_len=BUDGET, ctx_len=256, full_batch_size=2,
+                         hash_shards=False)  # fmt: skip
     export(opts, log=lambda m: None)
     return model, folder, out
+
+
+def files(tmp_path, rng, name, samples, photo=None):
+    """A WAV of `samples` 16 kHz samples (and a PNG of `photo` [H, W, 3]) → the clip as the
+    runner hears it."""
+    ints = rng.integers(-12_000, 12_000, (samples, 1)).astype(np.int16)
+    write_wav(tmp_path / f"{name}.wav", ints, 16_000)
+    if photo is not None:
+        Image.fromarray(photo).save(tmp_path / f"{name}.png")
+    return ints[:, 0].astype(np.float32) / 32768
+
+
+def hf_tokens(model, prompt, images, clips):
+    inputs = unified_processor(word_tokenizer(), BUDGET)(
+        text=[prompt], images=[images] if images else None, audio=clips, return_tensors="pt"
+    )
+    want, gap = hf_greedy(model, {k: inputs[k] for k in HF_INPUTS if k in inputs}, NEW_TOKENS)
+    assert gap > MARGIN, gap
+    return want
 
 
 def test_run_gives_transformers_tokens(exported, tmp_path, capsys):
     model, _, out = exported
     rng = np.random.default_rng(3)
     photo = rng.integers(0, 256, (90, 140, 3), np.uint8)
-    Image.fromarray(photo).save(tmp_path / "photo.png")
-    ints = rng.integers(-12_000, 12_000, (2_500, 1)).astype(np.int16)
-    write_wav(tmp_path / "a.wav", ints, 16_000)
-    clip = ints[:, 0].astype(np.float32) / 32768
+    clip = files(tmp_path, rng, "a", 2_500, photo)
     prompt = "look <|image|> at <|audio|> then"
-    inputs = unified_processor(word_tokenizer(), BUDGET)(
-        text=[prompt], images=[[photo]], audio=[clip], return_tensors="pt"
-    )
-    want, gap = hf_greedy(model, {k: inputs[k] for k in HF_INPUTS if k in inputs}, NEW_TOKENS)
-    assert gap > MARGIN, gap
+    want = hf_tokens(model, prompt, [photo], [clip])
     args = [
         "run",
         str(out),
@@ -56,11 +73,35 @@ def test_run_gives_transformers_tokens(exported, tmp_path, capsys):
         prompt,
         "--no-chat",
         "--image",
-        str(tmp_path / "photo.png"),
+        str(tmp_path / "a.png"),
     ]
     args += ["--audio", str(tmp_path / "a.wav"), "--max-soft-tokens", str(BUDGET)]
     assert main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+
+
+def test_serve_requests_get_transformers_tokens(exported, tmp_path):
+    """Three requests over 2 slots (an image and a clip; a clip; two clips), the third waiting
+    for a slot: each gets transformers' tokens for it alone."""
+    model, _, out = exported
+    rng = np.random.default_rng(4)
+    photo = rng.integers(0, 256, (60, 50, 3), np.uint8)
+    asks = [("this <|audio|> and <|image|> that", ["a"], ["a.png"], [photo], [1_900]),
+            ("look at <|audio|> then", ["b"], [], [], [700]),
+            ("<|audio|> this <|audio|>", ["c", "d"], [], [], [300, 3_100])]  # fmt: skip
+    lines, wants = [], []
+    for prompt, names, pngs, photos, lengths in asks:
+        clips = [files(tmp_path, rng, n, k, photos[0] if pngs and i == 0 else None)
+                 for i, (n, k) in enumerate(zip(names, lengths, strict=True))]  # fmt: skip
+        wants.append(hf_tokens(model, prompt, photos, clips))
+        lines.append(dict(prompt=prompt, audios=[f"{n}.wav" for n in names], images=pngs,
+                          chat=False, max_new_tokens=NEW_TOKENS))  # fmt: skip
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    runner = Runner(out)
+    got, timeline = runner.serve(read_requests(path, runner))
+    for i, (g, w) in enumerate(zip(got, wants, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
 
 
 def test_tower_options_are_refused(exported, tmp_path):
