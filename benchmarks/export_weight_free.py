@@ -1,8 +1,9 @@
 """Weight-free export of the released Gemma 4 models at full size: time, memory, bytes copied.
 
 For each of E2B, E4B, 31B and 26B-A4B (`benchmarks/gemma4_configs.py`: the released config.json
-dicts) the benchmark writes a sparse checkpoint: config.json plus a bf16 tensor for every
-parameter the model has (`text_param_shapes`, `vision_param_shapes` under
+dicts) and the 12B Unified (its shape partly assumed: `UNIFIED_CONFIGS` there; its embedder
+graphs in place of the towers) the benchmark writes a sparse checkpoint: config.json plus a
+bf16 tensor for every parameter the model has (`text_param_shapes`, `vision_param_shapes` under
 `model.vision_tower.`, and `EMBED_VISION`; E2B's and E4B's audio tower and embed_audio,
 `audio_param_shapes`), sharded as transformers' `save_pretrained` does
 (names in sorted order, greedily into shards of at most 5 GB,
@@ -30,7 +31,7 @@ inode) and still sparse; a copy is reported as a failure.
 Goal per model, on a 2-core machine: whole export < 30 s, peak RSS < 1.5 GB, 0 weight bytes
 copied. For scale, QEfficient publishes 65-568 s per graph for Gemma 4 E2B.
 
-    python benchmarks/export_weight_free.py [--models E2B,E4B,31B,26B-A4B] [--keep DIR]
+    python benchmarks/export_weight_free.py [--models E2B,E4B,31B,26B-A4B,12B] [--keep DIR]
         [--seq-len 128] [--ctx-len 8192] [--compare-inline]
 
 `--compare-inline` also exports the first model with `--no-subfunctions` (repeated layers
@@ -55,23 +56,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemma4_configs import CONFIGS  # noqa: E402
+from gemma4_configs import CONFIGS as RELEASED  # noqa: E402
+from gemma4_configs import UNIFIED_CONFIGS  # noqa: E402
 
+from codegen.graphs import unified  # noqa: E402
 from codegen.graphs.audio import audio_param_shapes  # noqa: E402
+from ref.gemma4 import unified_config  # noqa: E402
 from ref.gemma4.audio_config import AudioConfig  # noqa: E402
 from ref.gemma4.config import VisionConfig  # noqa: E402
 from ref.gemma4.params import EMBED_VISION, text_param_shapes, vision_param_shapes  # noqa: E402
 from ref.gemma4.text_config import TextConfig  # noqa: E402
 from weights import plan_shards  # noqa: E402
 
+CONFIGS = {**RELEASED, **UNIFIED_CONFIGS}  # the 12B Unified's shape partly assumed (see there)
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size="5GB"
 GOAL_S = 30.0
 GOAL_RSS = 1.5e9  # bytes
 SPARSE_SLACK = 1 << 20  # allocated bytes allowed per shard beyond its header
 
 
+def unified_shapes(config):
+    """{checkpoint name: shape} of a gemma4_unified model: decoder and both embedders."""
+    shapes = dict(text_param_shapes(unified_config.text_config(config)))
+    shapes.update(unified.vision_param_shapes(unified_config.vision_config(config)))
+    shapes.update(unified.audio_param_shapes(unified_config.audio_config(config)))
+    return {n: tuple(s) for n, s in sorted(shapes.items())}
+
+
 def tensor_shapes(config):
     """{checkpoint name: shape} of every parameter of the model `config` describes."""
+    if unified.is_unified(config):
+        return unified_shapes(config)
     shapes = dict(text_param_shapes(TextConfig.from_hf(config)))
     vision = VisionConfig.from_hf(config)
     for name, shape in vision_param_shapes(vision).items():

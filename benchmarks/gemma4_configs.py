@@ -564,3 +564,84 @@ CONFIGS = {
         "tie_word_embeddings": True,
     },
 }
+
+# google/gemma-4-12B-it (`Gemma4UnifiedForConditionalGeneration`, model_type gemma4_unified: no
+# vision or audio tower, `ref.gemma4.unified_config` reads it; not a `Gemma4Config`, so it is
+# kept out of CONFIGS). No copy of the released config.json was found. Third-party figures:
+# 48 layers, hidden 3840 (../shared/DESIGN.md, the issue); the text part's keys as third-party
+# loaders read them (global_head_dim, num_global_key_value_heads, attention_k_eq_v,
+# use_bidirectional_attention, per-type rope_parameters). ASSUMED, not released values:
+# - intermediate_size 15360, 16 heads, 8 kv heads of 256 (Gemma 3 12B's shape; transformers'
+#   Gemma4UnifiedTextConfig defaults, 9216 and 8 heads of a 2304-wide model, would make a
+#   ~7B model at hidden 3840; these give 12.0B parameters, transformers counting the same);
+# - full layers: 4 kv heads of 512, values = keys (as the 31B);
+# - 5 sliding : 1 full, the last full (transformers' default pattern), window 1024, rope
+#   and softcapping 30.0 as the other Gemma 4 configs;
+# - vision: transformers' defaults (16-px patches merged 3×3, mm_embed_dim 3840, a table of
+#   1120 rows per axis); audio: 640 samples a frame; token ids: Gemma4UnifiedConfig's.
+UNIFIED_CONFIGS = {
+    "12B": {
+        "model_type": "gemma4_unified",
+        "architectures": ["Gemma4UnifiedForConditionalGeneration"],
+        "text_config": {
+            "model_type": "gemma4_unified_text",
+            "vocab_size": 262144,
+            "hidden_size": 3840,
+            "intermediate_size": 15360,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "num_global_key_value_heads": 4,
+            "attention_k_eq_v": True,
+            "layer_types": [
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)
+            ],  # fmt: skip
+            "sliding_window": 1024,
+            "num_kv_shared_layers": 0,
+            "use_double_wide_mlp": False,
+            "use_bidirectional_attention": "vision",
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                },
+            },
+            "rms_norm_eps": 1e-06,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 262144,
+            "attention_bias": False,
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+            "tie_word_embeddings": True,
+        },
+        "vision_config": {
+            "model_type": "gemma4_unified_vision",
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "mm_embed_dim": 3840,
+            "mm_posemb_size": 1120,
+            "rms_norm_eps": 1e-06,
+            "output_proj_dims": 3840,
+        },
+        "audio_config": {
+            "model_type": "gemma4_unified_audio",
+            "audio_embed_dim": 640,
+            "rms_norm_eps": 1e-06,
+        },  # fmt: skip
+        "image_token_id": 258880,
+        "boi_token_id": 255999,
+        "eoi_token_id": 258882,
+        "video_token_id": 258884,
+        "audio_token_id": 258881,
+        "boa_token_id": 256000,
+        "eoa_token_index": 258883,
+        "eos_token_id": [1, 106],
+        "tie_word_embeddings": True,
+    },
+}
