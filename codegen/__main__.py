@@ -94,9 +94,15 @@ def _run_drift(args):
     export's graphs under each node-precision plan."""
     from codegen.check.drift import drift, drift_table
     from ref.gemma4.model import Gemma4
+    from weights import open_checkpoint
 
     if (args.out is None) == (args.model is None):
         raise ValueError("drift: give an export folder or --model DIR (one of them)")
+    if open_checkpoint(args.model or args.out).config.get("model_type") == "gemma4_unified":
+        raise ValueError(
+            f"{args.model or args.out}: drift does not take gemma4_unified yet (its embedders "
+            "have no device model here); verify --precision checks its graphs"
+        )
     model = Gemma4.from_pretrained(args.model or args.out)
     if model.vision is None:
         raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")

@@ -104,8 +104,11 @@ def test_serve_requests_get_transformers_tokens(exported, tmp_path):
         np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
 
 
-def test_tower_options_are_refused(exported, tmp_path):
-    _, folder, _ = exported
+def test_tower_options_are_refused(exported, tmp_path, capsys):
+    """The towers' export options, and `drift` (whose device model wraps a tower)."""
+    _, folder, out = exported
+    assert main(["drift", str(out)]) == 2
+    assert "drift does not take gemma4_unified yet" in capsys.readouterr().err
     for bad, match in (({"vision_tiles": (2, 1)}, "--vision-tiles"),
                        ({"audio_clips": 2}, "--audio-clips")):  # fmt: skip
         opts = ExportOptions(out=tmp_path / "x", model=folder, budgets=(BUDGET,), seq_len=BUDGET,
