@@ -49,6 +49,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_weight_free import (  # noqa: E402
+    CONFIGS,
     GOAL_RSS,
     GOAL_S,
     check_links,
@@ -56,7 +57,6 @@ from export_weight_free import (  # noqa: E402
     tail,
     write_sparse_checkpoint,
 )
-from gemma4_configs import CONFIGS  # noqa: E402
 
 from codegen.folder.hashcache import CACHE_ENV  # noqa: E402
 
