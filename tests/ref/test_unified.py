@@ -45,6 +45,7 @@ from tests.hf_unified import (
     hf_unified,
     unified_processor,
 )
+from tests.hf_vision import tree_of
 from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE
 from tests.util import examples, rel_err
 
@@ -326,6 +327,9 @@ def test_bad_configs_and_inputs_are_refused_naming_the_value(models):
         ValueError, match="gemma4_unified.: load it with unified_model.Gemma4Unified"
     ):
         Gemma4.from_params(config, {})
+    # transformers' in-memory names (model.embed_vision.patch_ln1, …), not the checkpoint's
+    with pytest.raises(ValueError, match=r"vision part but the checkpoint lacks one of model"):
+        Gemma4Unified.from_params(config, tree_of(hf.state_dict()))
 
 
 def last_logits(ours, text, images):
