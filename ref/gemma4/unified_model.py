@@ -2,10 +2,12 @@
 (`Gemma4`'s prefill, decode, schedule and soft-token plumbing, unchanged) with the two
 embedders of `ref.gemma4.unified` in place of the vision and audio towers.
 
-As transformers' Gemma4UnifiedModel does (checked in tests/ref/test_unified.py): an image's
-and a video frame's soft tokens fill its run of image or video tokens, attended
-bidirectionally within the run on sliding layers only; an audio clip's fill its run of audio
-tokens, causal; the token embedding is scaled by √hidden, the soft tokens are not.
+As transformers' Gemma4UnifiedForConditionalGeneration generates with a static cache
+(checked in tests/ref/test_unified.py): an image's and a video frame's soft tokens fill its
+run of image or video tokens, attended bidirectionally within the run on sliding layers only,
+inside the window (Gemma 4's rule; transformers' default dynamic-cache path masks otherwise,
+see docs/codegen.md); an audio clip's fill its run of audio tokens, causal; the token
+embedding is scaled by √hidden, the soft tokens are not.
 """
 
 import jax.numpy as jnp
