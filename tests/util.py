@@ -1,6 +1,7 @@
 """Small helpers shared by the test modules (one home each)."""
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -81,6 +82,44 @@ def small_export(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "out"
     export(ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16), log=print)
     return out
+
+
+def prompt_logits(model, *args, **kwargs):
+    """A `Gemma4`'s logits [V] of the prompt's last token: `model.generate_from(*args,
+    max_new_tokens=1, **kwargs)` with each step traced anew (a patched function: the cached
+    trace of the compiled step would not see it)."""
+    from ref.gemma4.step import apply_step
+
+    seen = []
+    step = jax.jit(
+        functools.partial(apply_step, last_only=True), static_argnames=("config", "attention")
+    )
+
+    def record(*a, **k):
+        out = step(*a, **k)
+        seen.append(np.asarray(out["logits"][0, 0]))
+        return out
+
+    model.with_step(record).generate_from(*args, max_new_tokens=1, **kwargs)
+    return seen[0]
+
+
+def serve_requests(out, lines, folder):
+    """Request dicts `lines` written to folder/requests.jsonl and served greedily over the
+    export `out` → (the Runner, (tokens per request, timeline))."""
+    from codegen.run.commands import read_requests
+    from codegen.run.runtime import Runner
+
+    path = folder / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    runner = Runner(out)
+    return runner, runner.serve(read_requests(path, runner, {"greedy": True}))
+
+
+def assert_served(got, wants, timeline):
+    """Each request's tokens equal its wanted ones (the serve timeline in the message)."""
+    for i, (g, w) in enumerate(zip(got, wants, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
 
 
 def folder_copy(folder, tmp_path):

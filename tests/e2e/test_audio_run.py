@@ -19,11 +19,11 @@ from codegen.__main__ import main
 from codegen.check.calibration import recorded_feeds
 from codegen.export.command import ExportOptions, export
 from codegen.run.commands import read_requests
-from codegen.run.runtime import RunError, Runner
+from codegen.run.runtime import RunError
 from codegen.run.sound import resample
 from tests.hf_processor import greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.text_oracle import hf_audio_vlm
-from tests.util import examples, write_av, write_wav
+from tests.util import assert_served, examples, serve_requests, write_av, write_wav
 
 NEW_TOKENS = 8
 MARGIN = 1e-4
@@ -130,12 +130,9 @@ def test_serve_requests_with_audios_get_transformers_tokens(exported, tmp_path):
         lines.append(dict(prompt=prompt, audios=[s[0] for s in sounds], chat=False,
                           images=[f"photo{i}.png" for i in range(photos)],
                           max_new_tokens=NEW_TOKENS, arrival=arrival))  # fmt: skip
+    runner, (got, timeline) = serve_requests(out, lines, tmp_path)
+    assert_served(got, wants, timeline)
     path = tmp_path / "requests.jsonl"
-    path.write_text("\n".join(json.dumps(line) for line in lines))
-    runner = Runner(out)
-    got, timeline = runner.serve(read_requests(path, runner, {"greedy": True}))
-    for i, (g, w) in enumerate(zip(got, wants, strict=True)):
-        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
     assert any("request 2 joins" in line for line in timeline[2:]), timeline
     (tmp_path / "bad.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk")
     for name, message in [("gone.wav", "No such file or directory: expected an audio file"),

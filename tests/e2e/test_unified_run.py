@@ -4,8 +4,6 @@ onnxruntime as it exports), and `python -m codegen run --image F.png --audio F.w
 TEXT` gives the tokens transformers' `generate` gives on what Gemma4UnifiedProcessor makes of
 the same pixels, samples and text; the towers' options are refused in one line."""
 
-import json
-
 import numpy as np
 import pytest
 from PIL import Image
@@ -13,11 +11,9 @@ from PIL import Image
 from codegen.__main__ import main
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
-from codegen.run.commands import read_requests
-from codegen.run.runtime import Runner
 from tests.hf_processor import word_backend, word_tokenizer
 from tests.hf_unified import HF_INPUTS, hf_greedy, hf_unified, unified_processor
-from tests.util import write_wav
+from tests.util import assert_served, serve_requests, write_wav
 
 NEW_TOKENS = 6
 MARGIN = 1e-4
@@ -96,12 +92,8 @@ def test_serve_requests_get_transformers_tokens(exported, tmp_path):
         wants.append(hf_tokens(model, prompt, photos, clips))
         lines.append(dict(prompt=prompt, audios=[f"{n}.wav" for n in names], images=pngs,
                           chat=False, max_new_tokens=NEW_TOKENS))  # fmt: skip
-    path = tmp_path / "requests.jsonl"
-    path.write_text("\n".join(json.dumps(line) for line in lines))
-    runner = Runner(out)
-    got, timeline = runner.serve(read_requests(path, runner))
-    for i, (g, w) in enumerate(zip(got, wants, strict=True)):
-        np.testing.assert_array_equal(g, w, err_msg=f"request {i}\n" + "\n".join(timeline))
+    _, (got, timeline) = serve_requests(out, lines, tmp_path)
+    assert_served(got, wants, timeline)
 
 
 def test_tower_options_are_refused(exported, tmp_path, capsys):

@@ -12,7 +12,6 @@ that.
 import functools
 from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,11 +27,10 @@ from ref.gemma4.images import num_soft_tokens as image_soft_tokens
 from ref.gemma4.images import preprocess
 from ref.gemma4.multimodal import prompt_inputs, soft_rows
 from ref.gemma4.prompts import PromptTokens, expand_prompt
-from ref.gemma4.step import apply_step
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.hf_vision import tree_of
 from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE, hf_audio_vlm
-from tests.util import examples, rel_err
+from tests.util import examples, prompt_logits, rel_err
 
 NEW_TOKENS = 8
 MARGIN = 1e-4  # float32 runs differ by ~1e-6: a smaller top-2 gap would be a coin toss
@@ -196,23 +194,9 @@ def guard(models):
 
 
 def last_logits(ours, g):
-    """Our logits [V] of the prompt's last token, each step traced anew (a patched function:
-    the cached trace of the compiled step would not see it)."""
-    seen = []
-    step = jax.jit(
-        functools.partial(apply_step, last_only=True), static_argnames=("config", "attention")
-    )
-
-    def record(*args, **kwargs):
-        out = step(*args, **kwargs)
-        seen.append(np.asarray(out["logits"][0, 0]))
-        return out
-
-    ours.with_step(record).generate_from(
-        g.prompt, g.images, audios=g.clips, max_soft_tokens=BUDGET, tokenize=tokenize,
-        max_new_tokens=1,
-    )  # fmt: skip
-    return seen[0]
+    """Our logits [V] of the guard's prompt's last token (`prompt_logits`)."""
+    return prompt_logits(ours, g.prompt, g.images, audios=g.clips, max_soft_tokens=BUDGET,
+                         tokenize=tokenize)  # fmt: skip
 
 
 def test_guard_a_bidirectional_audio_run_is_caught(models, guard, monkeypatch):

@@ -12,7 +12,6 @@ position table of 64 rows per axis) serves every test.
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -24,7 +23,6 @@ from ref.gemma4 import unified_config as U
 from ref.gemma4.model import Gemma4
 from ref.gemma4.multimodal import prompt_inputs
 from ref.gemma4.prompts import PromptTokens
-from ref.gemma4.step import apply_step
 from ref.gemma4.unified import vision_apply
 from ref.gemma4.unified_media import (
     BLOCKS,
@@ -47,7 +45,7 @@ from tests.hf_unified import (
 )
 from tests.hf_vision import tree_of
 from tests.text_oracle import AUDIO, BOA, BOI, EOA, EOI, IMAGE
-from tests.util import examples, rel_err
+from tests.util import examples, prompt_logits, rel_err
 
 RTOL = 1e-5
 CAUGHT = 100 * RTOL
@@ -333,22 +331,8 @@ def test_bad_configs_and_inputs_are_refused_naming_the_value(models):
 
 
 def last_logits(ours, text, images):
-    """Our logits [V] of the prompt's last token, the step traced anew (a patched function: the
-    cached trace of the compiled step would not see it)."""
-    seen = []
-    step = jax.jit(
-        functools.partial(apply_step, last_only=True), static_argnames=("config", "attention")
-    )
-
-    def record(*args, **kwargs):
-        out = step(*args, **kwargs)
-        seen.append(np.asarray(out["logits"][0, 0]))
-        return out
-
-    ours.with_step(record).generate_from(
-        text, images, max_soft_tokens=70, tokenize=tokenize, max_new_tokens=1
-    )
-    return seen[0]
+    """Our logits [V] of the prompt's last token (`prompt_logits`)."""
+    return prompt_logits(ours, text, images, max_soft_tokens=70, tokenize=tokenize)
 
 
 def test_guard_vision_blocks_open_past_the_window_is_caught(models, monkeypatch):
