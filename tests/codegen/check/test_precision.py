@@ -294,7 +294,7 @@ def float32_run(default_model):
     its per-step logits, its tokens, ref's tokens)."""
     from codegen.check.drift import DeviceGemma4, random_prompt
 
-    ids, patches, grids = random_prompt(default_model, np.random.default_rng(1))
+    ids, patches, grids = random_prompt(default_model, np.random.default_rng(0))
     exact = DeviceGemma4(default_model, "float32", "float32")
     embeds = exact.vision.embed(patches, grids)[0]
     tokens = exact.generate(ids[None], patches, grids, max_new_tokens=3)[0]
@@ -495,7 +495,7 @@ def test_mxfp6_weights_move_the_soft_tokens_by_their_rounding(default_model):
     pick = lambda tree: reduce(lambda t, k: t[k], q, tree)  # noqa: E731
     np.testing.assert_array_equal(pick(stored.params), mxfp6.round_trip(pick(default_model.params)))
     assert stored.params["embed_tokens"]["weight"] is default_model.params["embed_tokens"]["weight"]
-    _, patches, grids = random_prompt(default_model, np.random.default_rng(2))
+    _, patches, grids = random_prompt(default_model, np.random.default_rng(0))
     want = default_model.vision.embed(patches, grids)[0]
     moved = {}
     for element in ("e2m3", "e3m2"):
