@@ -1,21 +1,31 @@
-"""transformers' Gemma4AssistantForCausalLM as the drafter's oracle: a tiny assistant for a
-tiny target (`text_oracle.text_config`), every tensor randomized, and its checkpoint tree."""
+"""transformers' Gemma4AssistantForCausalLM (and Gemma4UnifiedAssistantForCausalLM) as the
+drafter's oracle: a tiny assistant for a tiny target (`text_oracle.text_config`), every tensor
+randomized, and its checkpoint tree."""
 
 import numpy as np
 import torch
-from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+from transformers import (
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4UnifiedAssistantConfig,
+    Gemma4UnifiedAssistantForCausalLM,
+)
 
 from tests.hf_vision import randomize_
 
 TARGET_KEYS = ("vocab_size", "head_dim", "global_head_dim", "num_key_value_heads",
                "num_global_key_value_heads", "attention_k_eq_v", "sliding_window",
                "rope_parameters")  # fmt: skip
+CLASSES = {False: (Gemma4AssistantConfig, Gemma4AssistantForCausalLM),
+           True: (Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM)}  # fmt: skip
 
 
-def assistant_config(target, layer_types, *, ordered, tied=True):
+def assistant_config(target, layer_types, *, ordered, tied=True, unified=False):
     """A Gemma4AssistantConfig dict for the target text config dict `target`: its attention
     geometry, `layer_types` of its own, hidden 24; ordered: the centroid head (8 centroids,
-    top 2); tied: the head is model.embed_tokens (else an lm_head of its own)."""
+    top 2); tied: the head is model.embed_tokens (else an lm_head of its own); unified: a
+    Gemma4UnifiedAssistantConfig dict instead (its gemma4_unified_text decoder has no
+    per-layer-input or MoE keys)."""
     text = {k: target[k] for k in TARGET_KEYS if k in target}
     text.update(
         model_type="gemma4_text", hidden_size=24, intermediate_size=20, num_attention_heads=4,
@@ -23,20 +33,28 @@ def assistant_config(target, layer_types, *, ordered, tied=True):
         num_kv_shared_layers=len(layer_types), hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0, enable_moe_block=False, tie_word_embeddings=tied,
     )  # fmt: skip
-    return dict(model_type="gemma4_assistant", text_config=text,
+    kind = "gemma4_assistant"
+    if unified:
+        for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                    "enable_moe_block"):  # fmt: skip
+            text.pop(key)
+        text["model_type"], kind = "gemma4_unified_text", "gemma4_unified_assistant"
+    return dict(model_type=kind, text_config=text,
                 backbone_hidden_size=target["hidden_size"], use_ordered_embeddings=ordered,
                 num_centroids=8, centroid_intermediate_top_k=2,
                 tie_word_embeddings=tied)  # fmt: skip
 
 
 def hf_assistant(config, seed, drafts=None):
-    """A randomized float32 eager Gemma4AssistantForCausalLM of `assistant_config`'s dict; its
-    token_ordering a random permutation; drafts: its generation_config's num_assistant_tokens."""
-    cfg = Gemma4AssistantConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    """A randomized float32 eager Gemma4AssistantForCausalLM (Gemma4UnifiedAssistantForCausalLM
+    for a unified config) of `assistant_config`'s dict; its token_ordering a random
+    permutation; drafts: its generation_config's num_assistant_tokens."""
+    kind, cls = CLASSES[config["model_type"] == "gemma4_unified_assistant"]
+    cfg = kind(**{k: v for k, v in config.items() if k != "model_type"})
     cfg._attn_implementation = "eager"
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = Gemma4AssistantForCausalLM(cfg).eval()
+    model = cls(cfg).eval()
     randomize_(model.model, seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

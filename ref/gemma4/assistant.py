@@ -1,5 +1,7 @@
 """Gemma 4's multi-token-prediction drafter (`Gemma4AssistantForCausalLM`, transformers'
 gemma4_assistant; `google/gemma-4-*-it-assistant`) as Flax modules with the checkpoint's names.
+The 12B Unified's (`Gemma4UnifiedAssistantForCausalLM`, gemma4_unified_assistant) is the same
+model under another config (`KINDS`: a gemma4_unified_text decoder, backbone 3840 by default).
 
 One draft step: `pre_projection(cat(target's scaled embedding of the last token, h))`, then
 decoder layers whose attention has queries only (q_proj, q_norm, RoPE at the round's position,
@@ -30,9 +32,20 @@ from ref.attention import reference
 from ref.gemma4.text import DecoderLayer
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
 from ref.gemma4.tower import checkpoint_loader
+from ref.gemma4.unified_config import TEXT_DEFAULTS
 from ref.layers import Embedding, RMSNorm, Weight, linear
 
 DEFAULT_DRAFTS = 4  # drafts per round when neither the caller nor generation_config names it
+# model_type → (backbone_hidden_size's default, its text_config's defaults that differ from
+# Gemma4TextConfig's): Gemma4AssistantConfig's, Gemma4UnifiedAssistantConfig's (a
+# gemma4_unified_text decoder over the 12B Unified's keys; the same modules otherwise)
+KINDS = {
+    "gemma4_assistant": (1536, {}),
+    "gemma4_unified_assistant": (
+        3840,
+        dict(TEXT_DEFAULTS, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +65,24 @@ class AssistantConfig:
 
     @classmethod
     def from_hf(cls, config, generation_config=None):
-        """From a Gemma4AssistantConfig dict (config.json) and its generation_config.json dict;
-        ValueError for what transformers' `validate_architecture` refuses."""
+        """From a Gemma4AssistantConfig or Gemma4UnifiedAssistantConfig dict (config.json) and
+        its generation_config.json dict; ValueError for what transformers' gemma4_assistant
+        `validate_architecture` refuses (the unified one has no such check, but a layer with
+        keys of its own is no drafter here: refused alike)."""
         kind = config.get("model_type") if isinstance(config, dict) else None
-        if kind != "gemma4_assistant" or not isinstance(config.get("text_config"), dict):
+        if kind not in KINDS or not isinstance(config.get("text_config"), dict):
             raise ValueError(
-                f"model_type={kind!r}: expected a 'gemma4_assistant' config with a text_config"
+                f"model_type={kind!r}: expected a 'gemma4_assistant' or "
+                "'gemma4_unified_assistant' config with a text_config"
             )
-        text = config["text_config"]
+        backbone, defaults = KINDS[kind]
+        text = {**defaults, **config["text_config"]}
         n = int(text.get("num_hidden_layers", 30))
         for key, want in (("hidden_size_per_layer_input", 0), ("vocab_size_per_layer_input", 0),
                           ("enable_moe_block", False), ("use_double_wide_mlp", False)):  # fmt: skip
             if (text.get(key) or 0) != want:
                 raise ValueError(f"text_config.{key}={text.get(key)!r}: an assistant has {want}")
-        shared = text.get("num_kv_shared_layers") or n
+        shared = text.get("num_kv_shared_layers") or 0  # Gemma4(Unified)TextConfig's default
         if shared != n:
             raise ValueError(
                 f"text_config.num_kv_shared_layers={shared}: every assistant layer reads the "
@@ -78,7 +95,7 @@ class AssistantConfig:
             config.get("centroid_intermediate_top_k", 32),
             config.get("num_centroids", 2048),
         )
-        out = cls(resolved, int(config.get("backbone_hidden_size", 1536)),
+        out = cls(resolved, int(config.get("backbone_hidden_size", backbone)),
                   bool(config.get("use_ordered_embeddings", False)), int(centroids), int(top_k),
                   None if drafts is None else int(drafts),
                   bool(config.get("tie_word_embeddings", True)))  # fmt: skip

@@ -13,7 +13,7 @@ from ref.gemma4.text_config import TextConfig
 
 MODEL_TYPE = "gemma4_unified"
 # Gemma4UnifiedTextConfig's defaults where they differ from Gemma4TextConfig's
-_TEXT_DEFAULTS = {"sliding_window": 1024, "use_bidirectional_attention": "vision"}
+TEXT_DEFAULTS = {"sliding_window": 1024, "use_bidirectional_attention": "vision"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def text_config(config):
             f"text_config.hidden_size_per_layer_input={per_layer!r}: expected 0 or absent "
             "(Gemma 4 12B Unified has no per-layer inputs)"
         )
-    full = dict(config, text_config={**_TEXT_DEFAULTS, **text})
+    full = dict(config, text_config={**TEXT_DEFAULTS, **text})
     return replace(
         TextConfig.from_hf(full), hidden_size_per_layer_input=0, vocab_size_per_layer_input=0
     )

@@ -4,6 +4,8 @@ first drafts against transformers' candidate generator, tokens against the targe
 transformers' `generate(assistant_model=)`, and the round's bookkeeping under drawn acceptance
 patterns (a scripted drafter), with sliding rings and stop ids."""
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.model import Gemma4
 from ref.gemma4.step import step
 from ref.gemma4.text_config import FULL, SLIDING, TextConfig
+from ref.gemma4.unified_model import Gemma4Unified
 from tests.assistant_oracle import assistant_config, assistant_params, hf_assistant
 from tests.hf_vision import patches_for, tree_of
 from tests.text_oracle import hf_generate, hf_model, prompt, text_config
@@ -41,8 +44,8 @@ def _target(kind):
     return _MODELS[kind]
 
 
-def _assistant(text, layer_types, *, ordered, tied=True, drafts=None, seed=5):
-    config = assistant_config(text, layer_types, ordered=ordered, tied=tied)
+def _assistant(text, layer_types, *, ordered, tied=True, drafts=None, seed=5, unified=False):
+    config = assistant_config(text, layer_types, ordered=ordered, tied=tied, unified=unified)
     hf = hf_assistant(config, seed, drafts=drafts)
     generation = {"num_assistant_tokens": drafts}  # as the checkpoint's generation_config
     return hf, AssistantModel.from_params(config, assistant_params(hf), generation)
@@ -57,14 +60,17 @@ def _assistant(text, layer_types, *, ordered, tied=True, drafts=None, seed=5):
     position=st.integers(1, 20),
     stale=st.integers(0, 4),
     seed=st.integers(0, 2**16),
+    unified=st.booleans(),
 )
-def test_the_drafter_equals_transformers(ordered, tied, k_eq_v, layers, position, stale, seed):
+def test_the_drafter_equals_transformers(ordered, tied, k_eq_v, layers, position, stale, seed,
+                                         unified):  # fmt: skip
     """Logits and projected state of one draft step, ≤ 1e-5, the target's keys at positions
     0 … P − 1 (P drawn past the window) plus `stale` slots at or after P (a rejected draft's
     key, an empty slot) that ours must not read; transformers is given the P keys alone, as
-    its candidate generator gives them in a first round."""
+    its candidate generator gives them in a first round. `unified`: the 12B Unified's
+    drafter (Gemma4UnifiedAssistantForCausalLM, a gemma4_unified_text decoder)."""
     target = text_config(moe=False, layer_types=[SLIDING, FULL], k_eq_v=k_eq_v, window=WINDOW)
-    hf, ours = _assistant(target, layers, ordered=ordered, tied=tied, seed=seed)
+    hf, ours = _assistant(target, layers, ordered=ordered, tied=tied, seed=seed, unified=unified)
     config = TextConfig.from_hf(target)
     rng = np.random.default_rng(seed)
     embeds, h = (rng.normal(size=(1, 1, 32)).astype(np.float32) for _ in range(2))
@@ -96,8 +102,17 @@ def test_the_assistant_config_is_checked():
         bad = dict(good, text_config=dict(good["text_config"], **{key: value}))
         with pytest.raises(ValueError, match=message):
             AssistantConfig.from_hf(bad)
-    with pytest.raises(ValueError, match="expected a 'gemma4_assistant' config"):
+    with pytest.raises(ValueError, match="model_type='gemma4_text': expected a 'gemma4_assis"):
         AssistantConfig.from_hf(dict(good, model_type="gemma4_text"))
+    unified = assistant_config(target, [SLIDING, FULL], ordered=False, unified=True)
+    unified.pop("backbone_hidden_size")
+    text = dict(unified["text_config"])
+    text.pop("sliding_window")
+    read = AssistantConfig.from_hf(dict(unified, text_config=text))
+    assert (read.backbone_hidden_size, read.text.sliding_window) == (3840, 1024)  # its defaults
+    bad = dict(unified, text_config=dict(text, num_kv_shared_layers=0))
+    with pytest.raises(ValueError, match="num_kv_shared_layers=0: every assistant layer"):
+        AssistantConfig.from_hf(bad)  # transformers builds it (k_proj per layer); no drafter
     _, _, ours = _target("dense")
     _, drafter = _assistant(dict(target, hidden_size=40), [SLIDING], ordered=False)
     ids = np.arange(7, 15)[None]
@@ -144,13 +159,58 @@ def test_tokens_equal_the_target_alone_and_transformers(kind, drafts, layers, or
             inputs["pixel_values"], inputs["image_position_ids"] = hf_padded_inputs(patches, grids)
         theirs = hf.generate(**inputs, assistant_model=hf_drafter)[0, len(ids) :].numpy()
     np.testing.assert_array_equal(theirs, want)
+    _assert_speculates(ours, drafter, (ids, patches, grids), want, drafts, ring)
+
+
+def _assert_speculates(ours, drafter, prompt_, want, drafts, ring):
+    """`ours.generate(assistant=drafter)` on (ids [L], patches, grids) gives `want` [N], each
+    round proposing `drafts`, fewer rounds than tokens."""
+    ids, patches, grids = prompt_
     rounds = []
-    got = ours.generate(ids[None], patches, grids, max_new_tokens=12, stop=(),
+    got = ours.generate(ids[None], patches, grids, max_new_tokens=len(want), stop=(),
                         assistant=drafter, sliding_ring=ring, rounds=rounds)  # fmt: skip
     np.testing.assert_array_equal(got[0], want)
     assert all(r.proposed == (drafts,) for r in rounds)
     emitted = 1 + sum(r.accepted[0] + 1 for r in rounds)
-    assert emitted >= 12 and len(rounds) <= 11
+    assert emitted >= len(want) and len(rounds) < len(want)
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_unified_tokens_equal_the_target_alone_and_transformers(image):
+    """The 12B Unified with its drafter (Gemma4UnifiedAssistantForCausalLM): greedy
+    speculative tokens equal transformers' target alone (static cache, the mask `ref`
+    follows: docs/codegen.md) and its `generate(assistant_model=)`, text only or with an
+    image (2×3 blocks, random pixels in [0, 1]). transformers' assisted decoding refuses a
+    static cache (not croppable); its dynamic cache also opens the image's blocks on the full
+    layer, which on this prompt changes no token (the first oracle is the one that holds)."""
+    from tests.hf_unified import hf_greedy, hf_unified
+
+    if "unified" not in _MODELS:
+        hf = hf_unified()
+        with tempfile.TemporaryDirectory() as folder:
+            hf.save_pretrained(folder)
+            _MODELS["unified"] = hf, Gemma4Unified.from_pretrained(folder)
+    hf, ours = _MODELS["unified"]
+    text = text_config(moe=False, layer_types=[SLIDING, FULL], k_eq_v=True, ple=0)
+    hf_drafter, drafter = _assistant(text, [SLIDING, FULL], ordered=image, drafts=2 + image,
+                                     unified=True)  # fmt: skip
+    rng = np.random.default_rng(11)
+    grids = [(2, 3)] if image else []
+    patches = [rng.uniform(size=(6, 6912)).astype(np.float32) for _ in grids]
+    ids = prompt(rng, 14, [6 for _ in grids], 96)
+    inputs = dict(input_ids=torch.from_numpy(ids)[None])
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == 4).long()
+    if image:
+        xy = np.stack(np.meshgrid(np.arange(3), np.arange(2)), -1).reshape(1, 6, 2)  # (x, y)
+        inputs["pixel_values"] = torch.from_numpy(patches[0])[None]
+        inputs["image_position_ids"] = torch.from_numpy(xy)
+    want, _ = hf_greedy(hf, inputs, 10)
+    with torch.no_grad():
+        theirs = hf.generate(**inputs, assistant_model=hf_drafter, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, max_new_tokens=10)  # fmt: skip
+    np.testing.assert_array_equal(theirs[0, len(ids) :].numpy(), want)
+    _assert_speculates(ours, drafter, (ids, patches, grids), want, 2 + image, image)
 
 
 def test_first_drafts_equal_transformers_candidate_generator():
