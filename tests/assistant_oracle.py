@@ -82,15 +82,15 @@ def assistant_params(model):
     return nested(names, leaves)
 
 
-def repeating_assistant(target, table, layer_types, seed=3):
+def repeating_assistant(target, table, layer_types, seed=3, unified=False):
     """A Gemma4AssistantForCausalLM for `target` (text config dict) that drafts the last token
     again: hidden = backbone, pre_projection passes the target's scaled embedding through,
     every layer adds nothing (o_proj and down_proj zero), the final norm scales by one and the
     tied head is the target's embedding `table` [V, D] (a torch tensor); so each draft is
     argmax_id table[id] · table[t] (t itself unless a longer row points its way). Greedy
     random targets repeat tokens in runs, so its drafts are accepted now and then: rounds
-    with every acceptance count happen."""
-    config = assistant_config(target, layer_types, ordered=False)
+    with every acceptance count happen. unified: a Gemma4UnifiedAssistantForCausalLM."""
+    config = assistant_config(target, layer_types, ordered=False, unified=unified)
     config["text_config"]["hidden_size"] = target["hidden_size"]
     model = hf_assistant(config, seed)
     d = target["hidden_size"]

@@ -2,7 +2,8 @@
 gemma4_unified checkpoint writes the embedder graphs in place of the towers (verified in
 onnxruntime as it exports), and `python -m codegen run --image F.png --audio F.wav --prompt
 TEXT` gives the tokens transformers' `generate` gives on what Gemma4UnifiedProcessor makes of
-the same pixels, samples and text; the towers' options are refused in one line."""
+the same pixels, samples and text, speculating with its MTP drafter (`export --assistant`) and
+without; the towers' options are refused in one line."""
 
 import numpy as np
 import pytest
@@ -11,26 +12,37 @@ from PIL import Image
 from codegen.__main__ import main
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
+from tests.assistant_oracle import repeating_assistant
 from tests.hf_processor import word_backend, word_tokenizer
 from tests.hf_unified import HF_INPUTS, hf_greedy, hf_unified, unified_processor
+from tests.text_oracle import text_config
 from tests.util import assert_served, serve_requests, write_wav
 
 NEW_TOKENS = 6
 MARGIN = 1e-4
 BUDGET = 70
+LAYERS = ["sliding_attention", "full_attention"]  # hf_unified's decoder (unified_config)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(transformers model, its folder, export folder): vision budget 70, audio budget 50
-    frames, prefill chunks of 70 tokens, 2 continuous-batching slots (`run` and `serve`)."""
+    frames, prefill chunks of 70 tokens, 2 continuous-batching slots (`run` and `serve`), and
+    its MTP drafter (`export --assistant`: a repeating Gemma4UnifiedAssistantForCausalLM, 2
+    drafts a round), so `run` and `serve` speculate unless told `--no-speculate`."""
     model = hf_unified(seed=8)
     folder = tmp_path_factory.mktemp("unified-model")
     model.save_pretrained(folder)
     word_backend().save(str(folder / "tokenizer.json"))
+    text = text_config(moe=False, layer_types=LAYERS, k_eq_v=True, ple=0)
+    table = model.state_dict()["model.language_model.embed_tokens.weight"]
+    drafter = repeating_assistant(text, table, LAYERS, unified=True)
+    drafter.generation_config.num_assistant_tokens = 2
+    assistant = tmp_path_factory.mktemp("unified-assistant")
+    drafter.save_pretrained(assistant)
     out = tmp_path_factory.mktemp("unified-export") / "out"
-    opts = ExportOptions(out=out, model=folder, budgets=(BUDGET,), audio_budgets=(50,),
-                         seq_len=BUDGET, ctx_len=256, full_batch_size=2,
+    opts = ExportOptions(out=out, model=folder, assistant=assistant, budgets=(BUDGET,),
+                         audio_budgets=(50,), seq_len=BUDGET, ctx_len=256, full_batch_size=2,
                          hash_shards=False)  # fmt: skip
     export(opts, log=lambda m: None)
     return model, folder, out
@@ -72,8 +84,12 @@ def test_run_gives_transformers_tokens(exported, tmp_path, capsys):
         str(tmp_path / "a.png"),
     ]
     args += ["--audio", str(tmp_path / "a.wav"), "--max-soft-tokens", str(BUDGET)]
-    assert main([*args, "--max-new-tokens", str(NEW_TOKENS)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+    args += ["--max-new-tokens", str(NEW_TOKENS)]
+    for speculate in ([], ["--no-speculate"]):  # rounds of the speculate graph, then decode
+        assert main([*args, *speculate]) == 0
+        out = capsys.readouterr()
+        assert out.out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+        assert ("accepted" in out.err) == (not speculate), out.err
 
 
 def test_serve_requests_get_transformers_tokens(exported, tmp_path):
