@@ -94,18 +94,18 @@ def _run_drift(args):
     export's graphs under each node-precision plan."""
     from codegen.check.drift import drift, drift_table
     from ref.gemma4.model import Gemma4
+    from ref.gemma4.unified_config import MODEL_TYPE
+    from ref.gemma4.unified_model import Gemma4Unified
     from weights import open_checkpoint
 
     if (args.out is None) == (args.model is None):
         raise ValueError("drift: give an export folder or --model DIR (one of them)")
-    if open_checkpoint(args.model or args.out).config.get("model_type") == "gemma4_unified":
-        raise ValueError(
-            f"{args.model or args.out}: drift does not take gemma4_unified yet (its embedders "
-            "have no device model here); verify --precision checks its graphs"
-        )
-    model = Gemma4.from_pretrained(args.model or args.out)
+    unified = open_checkpoint(args.model or args.out).config.get("model_type") == MODEL_TYPE
+    model = (Gemma4Unified if unified else Gemma4).from_pretrained(args.model or args.out)
     if model.vision is None:
-        raise ValueError(f"{args.model or args.out}: drift needs a model with a vision tower")
+        raise ValueError(
+            f"{args.model or args.out}: drift needs a model with a vision tower (or embedder)"
+        )
     if args.plans:
         from codegen.check.plan_drift import plan_drift, plan_drift_table
 

@@ -1,7 +1,8 @@
 """`python -m codegen drift`: greedy tokens of float32 `ref` against the device model of
 `ref.numerics` (every tensor in the compute format, the KV cache stored in `--kv-dtype`
 between steps, with `--mxfp6` the matmul weights stored as MXFP6: `ref.mxfp6`) over random
-prompts with an image each (docs/precision.md)."""
+prompts with an image each (docs/precision.md); a tower or, for the 12B Unified, its vision
+embedder in the device model too."""
 
 import copy
 from functools import partial
@@ -15,6 +16,8 @@ from ref import mxfp6 as mx
 from ref import numerics
 from ref.gemma4.step import apply_step
 from ref.gemma4.tower import tower_apply
+from ref.gemma4.unified import VisionEmbedder
+from ref.gemma4.unified_model import UnifiedVision
 
 
 @partial(jax.jit, static_argnames=("config", "attention", "precision", "kv_dtype"))
@@ -59,9 +62,26 @@ class DeviceVision:
         return [out[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
+@partial(jax.jit, static_argnames=("config", "precision"))
+def _device_embedder(params, patches, positions, *, config, precision):
+    def fn(p, x, at):
+        return VisionEmbedder(config).apply({"params": p}, x, at)
+
+    return numerics.emulate(fn, precision)(params, patches, positions)
+
+
+def device_embedder(vision, precision):
+    """A copy of a 12B Unified's `UnifiedVision` whose embedder runs in the device model (its
+    checks and packing unchanged)."""
+    other = copy.copy(vision)
+    other.apply = partial(_device_embedder, precision=precision)
+    return other
+
+
 def with_mxfp6(model, element):
     """A copy of a `Gemma4` whose matmul weights (text, lm_head, vision tower and
-    embed_vision) are as MXFP6 stores them (`ref.mxfp6.matmul_weights`); the model unchanged."""
+    embed_vision, or the 12B Unified's vision embedder) are as MXFP6 stores them
+    (`ref.mxfp6.matmul_weights`); the model unchanged."""
     other = copy.copy(model)
     other.params = mx.matmul_weights(model.params, element)
     if model.lm_head is not None:
@@ -69,7 +89,8 @@ def with_mxfp6(model, element):
     if model.vision is not None:
         other.vision = copy.copy(model.vision)
         other.vision.params = mx.matmul_weights(model.vision.params, element)
-        other.vision.embed_params = mx.matmul_weights(model.vision.embed_params, element)
+        if not isinstance(model.vision, UnifiedVision):
+            other.vision.embed_params = mx.matmul_weights(model.vision.embed_params, element)
     return other
 
 
@@ -83,7 +104,11 @@ class DeviceGemma4:
         self.kv_dtype = numerics.format_name(kv_dtype, numerics.KV_FORMATS)
         if mxfp6 is not None:
             model = with_mxfp6(model, mxfp6)
-        vision = None if model.vision is None else DeviceVision(model.vision, self.precision)
+        vision = model.vision
+        if isinstance(vision, UnifiedVision):
+            vision = device_embedder(vision, self.precision)
+        elif vision is not None:
+            vision = DeviceVision(vision, self.precision)
         self.model = model.with_step(self._step, vision)
         self.vision = self.model.vision
         self.logits = []
@@ -101,9 +126,10 @@ class DeviceGemma4:
 
 def random_prompt(model, rng, *, text_len=6):
     """(ids [L], patches, grids): random words (ids ≥ 7, none special), one random image
-    (2–4 × 2–4 soft tokens) between the begin/end-of-image tokens, random words."""
+    (2–4 × 2–4 soft tokens) between the begin/end-of-image tokens, random words; the grid in
+    the model's patches (a tower's, pooled k × k; the 12B Unified's 48-px blocks)."""
     vision = model.vision.config
-    k = vision.pooling_kernel_size
+    k = model.media_sizes()["pooling_kernel_size"]
     th, tw = (int(t) for t in rng.integers(2, 5, 2))
     grid = (th * k, tw * k)
     patches = rng.random((grid[0] * grid[1], vision.patch_dim), dtype=np.float32)

@@ -39,12 +39,15 @@ def _embedder_params(params, names):
 
 
 class UnifiedVision:
-    """`embed_vision` with its parameters: `embed(patches, grids)` as `VisionTower.embed`."""
+    """`embed_vision` with its parameters: `embed(patches, grids)` as `VisionTower.embed`;
+    `apply` (`vision_apply`'s signature) is what computes it, which a device model replaces
+    (codegen/check/drift.py)."""
 
     def __init__(self, config, params, dtype=jnp.float32, mesh=None):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.params = sharding.put(params, self.dtype, sharding.auto_axes(mesh), "model.")
+        self.apply = vision_apply
 
     def embed(self, patches, grids):
         """Soft tokens per item: patches[i] [h_i·w_i, (p·k)²·3] in [0, 1], row-major over its
@@ -69,7 +72,7 @@ class UnifiedVision:
         if not grids:
             return []
         flat = jnp.asarray(np.concatenate([np.asarray(p) for p in patches]), self.dtype)
-        out = np.asarray(vision_apply(self.params, flat, grid_positions(grids), config=c))
+        out = np.asarray(self.apply(self.params, flat, grid_positions(grids), config=c))
         cu = np.cumsum([0, *(h * w for h, w in grids)])
         return [out[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
 

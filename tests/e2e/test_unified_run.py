@@ -3,15 +3,18 @@ gemma4_unified checkpoint writes the embedder graphs in place of the towers (ver
 onnxruntime as it exports), and `python -m codegen run --image F.png --audio F.wav --prompt
 TEXT` gives the tokens transformers' `generate` gives on what Gemma4UnifiedProcessor makes of
 the same pixels, samples and text, speculating with its MTP drafter (`export --assistant`) and
-without; the towers' options are refused in one line."""
+without; `drift` runs its embedder in the device model; the towers' options are refused in
+one line."""
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from codegen.__main__ import main
+from codegen.check.drift import DeviceGemma4, random_prompt
 from codegen.export.command import ExportOptions, export
 from codegen.export.options import ExportError
+from ref.gemma4.unified_model import Gemma4Unified
 from tests.assistant_oracle import repeating_assistant
 from tests.hf_processor import word_backend, word_tokenizer
 from tests.hf_unified import HF_INPUTS, hf_greedy, hf_unified, unified_processor
@@ -112,11 +115,31 @@ def test_serve_requests_get_transformers_tokens(exported, tmp_path):
     assert_served(got, wants, timeline)
 
 
-def test_tower_options_are_refused(exported, tmp_path, capsys):
-    """The towers' export options, and `drift` (whose device model wraps a tower)."""
-    _, folder, out = exported
-    assert main(["drift", str(out)]) == 2
-    assert "drift does not take gemma4_unified yet" in capsys.readouterr().err
+def test_drift_runs_its_embedder_in_the_device_model(exported, capsys):
+    """`drift` on the export: its row for a prompt with an image of 48-px blocks and the
+    agreement over its 3 tokens (float16 compute, MXFP6 weights, mxint8 KV cache).
+    Its vision embedder is the device model's: in float32 it is `ref`'s own (equal), in
+    float16 it moves by more than float32 rounding and at most 1e-2 of the largest value."""
+    _, _, out = exported
+    args = ["drift", str(out), "--prompts", "1", "--max-new-tokens", "3", "--mxfp6"]
+    assert main([*args, "--kv-dtype", "mxint8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "float32 vs float16 compute, KV cache mxint8, MXFP6 (e2m3) matmul weights"
+    assert lines[2].split()[0] == "0", lines
+    assert lines[-1].startswith("agreement ") and "/3 = " in lines[-1], lines
+    model = Gemma4Unified.from_pretrained(out)
+    _, patches, grids = random_prompt(model, np.random.default_rng(0))
+    want = model.vision.embed(patches, grids)[0]
+    exact = DeviceGemma4(model, "float32", "float32").vision.embed(patches, grids)[0]
+    np.testing.assert_array_equal(exact, want)
+    half = DeviceGemma4(model, "float16", "float32").vision.embed(patches, grids)[0]
+    err = np.max(np.abs(half - want)) / np.max(np.abs(want))
+    assert 1e-5 < err <= 1e-2, err
+
+
+def test_tower_options_are_refused(exported, tmp_path):
+    """The towers' export options."""
+    _, folder, _ = exported
     for bad, match in (({"vision_tiles": (2, 1)}, "--vision-tiles"),
                        ({"audio_clips": 2}, "--audio-clips")):  # fmt: skip
         opts = ExportOptions(out=tmp_path / "x", model=folder, budgets=(BUDGET,), seq_len=BUDGET,
