@@ -44,8 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from export_weight_free import child, write_sparse_checkpoint  # noqa: E402
-from gemma4_configs import CONFIGS  # noqa: E402
+from export_weight_free import CONFIGS, child, write_sparse_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from weights import open_checkpoint  # noqa: E402
