@@ -209,18 +209,21 @@ class _FirstOverflow:
         self.top = max([self.top, *rounded], key=lambda t: t[0])  # ties: the first (0.0 at start)
 
 
-def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None):
+def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None,
+                full=None):  # fmt: skip
     """The exported graph `model` in the device's format segment by segment (pass 2) on
     `feed`, the node outputs in `keep` (a list, whole-graph names) left in float32; each tensor
     that turns non-finite is appended to `keep`, on_keep(name, op) is told (it may raise to
     stop), and the run goes on from the segment that made it, run again with it kept: the
     segments before it are not run again (keeping a later node changes none of their values;
     a body name kept also keeps its node in earlier calls, which ran without it: the whole
-    plan is proven again by `verify --precision`)
+    plan is proven again by `verify --precision`); full: `segments.Runner`'s (a set shared
+    by the graph's specializations, or None)
     → (largest finite |x| left rounded, its name)."""
     sink = _FirstOverflow(keep)
     rewrite = _device_rewrite(checkpoint, precision, mxfp6, keep)
-    runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink)
+    runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink,
+                       full=full)  # fmt: skip
     try:
         while True:
             try:

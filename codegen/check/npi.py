@@ -166,8 +166,10 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
     """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
     held at a time): the device graph runs segment by segment (`layered_precision.
     plan_search`), and a segment that makes a non-finite tensor runs again with it kept,
-    the run going on from there → the same (kept names, found rows, headroom)."""
-    keep, found, top = [], [], (0.0, None)
+    the run going on from there → the same (kept names, found rows, headroom). The names
+    one specialization's run found in need of full statistics (a mask's −inf) get them from
+    the start at the next: its first call of each layer function is not run twice."""
+    keep, found, top, full = [], [], (0.0, None), set()
     for label, feed in feeds:
 
         def kept(name, op, label=label, feed=feed):
@@ -176,7 +178,8 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
             found.append((label, name, op, ref.pair(label, feed, (name, op))))
             log(f"{spec.name} {label}: keep {name!r} ({op}) in float32")
 
-        peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6)
+        peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6,
+                           full)  # fmt: skip
         ref.pair(label, feed)
         top = max(top, peak)
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")

@@ -140,7 +140,7 @@ class Runner:
     """onnxruntime over one graph's segments at one specialization (see the module)."""
 
     def __init__(self, model, folder, feed, head=None, checkpoint=None, rewrite=None, probe=None,
-                 shared=False):  # fmt: skip
+                 shared=False, full=None):  # fmt: skip
         """rewrite(segment ModelProto, full) → (ModelProto, probed names, extra outputs): each
         segment run as rewritten, its extra outputs handed to probe(segment ModelProto, probed
         names, {extra output: value}, the segment's feed) (`verify --precision`). full: the
@@ -148,7 +148,10 @@ class Runner:
         the probe could not judge from fast ones (`_Probed`), in this segment or an earlier
         one (a layer's mask fill is -inf in every layer call). shared: the layer calls'
         tensors from the process's `sessions.shared_arena` (for a process that ends after the
-        run; glue's are one-offs, the output head's slices 2 GB of them, and not kept)."""
+        run; glue's are one-offs, the output head's slices 2 GB of them, and not kept). full:
+        a set of names given full statistics from the start, which this run adds to (shared
+        by the runs of one graph at its specializations: the same names need them, and found
+        anew each layer function's first call ran twice)."""
         self.model, self.folder, self.shared = model, folder, shared
         # the output head, or heads: a speculate graph's drafter projects onto its own too
         self.heads = tuple(h for h in (head if isinstance(head, tuple) else (head,)) if h)
@@ -159,7 +162,7 @@ class Runner:
         self.values = dict(feed)
         self.outputs = {o.name for o in model.graph.output}
         self.made = {}  # graph outputs onnxruntime made, compared at the end
-        self.full = set()  # names given full statistics (see `rewrite`)
+        self.full = set() if full is None else full  # names given full statistics (`rewrite`)
         self.next = 0
         self.calls = [i for i, s in enumerate(self.segments) if s.layer is not None]
         self.supplier = None if checkpoint is None else Supplier(folder, checkpoint)
