@@ -315,7 +315,9 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log, chosen=Non
         mine = layer_names(kind_weights(names, kind), module)
         arrays, made, out_map, tree = stand_ins.results(k, kind, slot, arrays, mine)
         named = runner.segments[runner.calls[k]].nodes[-1].output
-        made = [m if isinstance(m, graphs.Released) else graphs.drawn(m)
+        # drawn into memory, and over SPILL_BYTES onto disk as a checked call's results are,
+        # for glue that reads them later (a stand-in cache held to the end is 1 GiB a layer)
+        made = [m if isinstance(m, graphs.Released) else spilled(graphs.drawn(m), folder)
                 for m in runner.released(k, named, made)]  # fmt: skip
         glue = runner.skip(k, len(arrays), made)
         agree(f"layer {k} ({kind})", arrays, glue)
