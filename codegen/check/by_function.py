@@ -2,8 +2,8 @@
 numerically, every call's bindings proven (`codegen.check.bindings`).
 
 A lowering bug lives in a function's body, which every call of it shares; a wiring bug in a
-call's bindings. So a graph whose calls outnumber its functions is checked, by default at
-released size (`use_by_function`), as: the proof, from the graph and the checkpoint's
+call's bindings. So a graph whose calls outnumber its functions can be checked (`--by-function`;
+not yet the default, see `BY_DEFAULT`) as: the proof, from the graph and the checkpoint's
 headers alone, that every call binds its own layer's weights and inputs as `ref`'s
 composition does; then the layer-by-layer check (`layerwise.verify_specialization`) of one
 call per function, chosen by the seed (`chosen_calls`), against `ref` with that layer's real
@@ -24,16 +24,25 @@ from codegen.check.layer_buffers import float32_bytes
 from codegen.graphs import kinds
 
 # Graphs whose float32 weights exceed this are checked by layer function by default when they
-# call a function more than once (as `verify.LAYERWISE_BYTES`: every released size).
+# call a function more than once (as `verify.LAYERWISE_BYTES`: every released size), once
+# BY_DEFAULT is True.
 BY_FUNCTION_BYTES = 256 << 20
+# Off: at E2B's and E4B's production shapes a checked FullSharedDecoderLayer misses verify's
+# 1e-5 bound (1.6e-5 to 1.9e-5, 2026-12-06) where layer by layer it passes: the calls stood in
+# for hand it a hidden state of scale ~1, not the residual stream's, so its relative error is
+# measured against a smaller output. Until the stand-ins match the residual's scale,
+# `--by-function` is asked for, and `verify` checks every call by default.
+BY_DEFAULT = False
 
 
 def use_by_function(spec, model, checkpoint, calls=None):
     """True when `verify` checks this graph by layer function: calls "one" (asked for), or by
-    default (calls None) when its calls outnumber its distinct functions and its float32
-    weights exceed BY_FUNCTION_BYTES; calls "every": never."""
+    default (calls None, when BY_DEFAULT) when its calls outnumber its distinct functions and
+    its float32 weights exceed BY_FUNCTION_BYTES; calls "every": never."""
     if calls is not None:
         return calls == "one"
+    if not BY_DEFAULT:
+        return False
     n, distinct = bindings.summary(model)
     return n > distinct and float32_bytes(spec, checkpoint) > BY_FUNCTION_BYTES
 

@@ -55,9 +55,8 @@ def verify_parser(sub):
         dest="calls",
         action="store_const",
         const="every",
-        help="check every layer call numerically (layer by layer at released size); default: "
-        "a graph over 256 MiB of float32 weights that calls a layer function more than once is "
-        "checked by layer function (see --by-function)",
+        help="check every layer call numerically (layer by layer at released size): the "
+        "default, as long as --by-function misses its bound at E2B/E4B shapes (docs/codegen.md)",
     )
     calls.add_argument(
         "--by-function",

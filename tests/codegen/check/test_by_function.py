@@ -84,8 +84,9 @@ def _proof_fault(folder):
 
 def test_passes_as_exported_naming_the_calls_checked(out, capsys, monkeypatch):
     """The CLI checks one call per function, chosen by --seed and named, and proves the
-    bindings; by default a graph over BY_FUNCTION_BYTES that calls a function more than once
-    goes by function, --exhaustive goes layer by layer."""
+    bindings; by default (while BY_DEFAULT is off) a graph goes layer by layer; with it on, a
+    graph over BY_FUNCTION_BYTES that calls a function more than once goes by function,
+    --exhaustive layer by layer."""
     assert main(["verify", str(out), "--by-function", "--graph", "prefill", "--seed", "3",
                  "--skip-shard-check"]) == 0  # fmt: skip
     text = capsys.readouterr()
@@ -99,6 +100,8 @@ def test_passes_as_exported_naming_the_calls_checked(out, capsys, monkeypatch):
     entry, spec, model = chosen[0]
     monkeypatch.setattr(by_function, "BY_FUNCTION_BYTES", 0)
     monkeypatch.setattr(v, "LAYERWISE_BYTES", 0)
+    assert v._ways(spec, entry, model, checkpoint, None, None) == "layers"
+    monkeypatch.setattr(by_function, "BY_DEFAULT", True)
     assert v._ways(spec, entry, model, checkpoint, None, None) == "functions"
     assert v._ways(spec, entry, model, checkpoint, None, "every") == "layers"
     assert v._ways(spec, entry, model, checkpoint, False, None) == "whole"
