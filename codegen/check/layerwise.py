@@ -53,25 +53,39 @@ _PLACEHOLDER = np.zeros((0,), np.float32)
 
 
 def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, cache_rows=None, **kw):
-    """`ref.attention.reference` computed over slices of the queries, concatenated (exact:
-    each query attends independently). q: [B, H, S, D]; the slice keeps H·slice·T float32
-    scores under SCORE_BYTES. With cache_rows (continuous batching: k, v hold F cache slots)
-    one batch row at a time, its slot taken once: a gathered copy of one slot, never of every
-    row (a 31B full layer with 4 slots of 65,536: 1 GiB instead of 4)."""
+    """`ref.attention.reference` computed over slices of the queries, one after another
+    (exact: each query attends independently). q: [B, H, S, D]; a slice keeps H·slice·T
+    float32 scores under SCORE_BYTES. The slices are a `lax.map` over queries padded to a
+    whole number of slices (the last query repeated, its copies cut off): a loop that XLA
+    runs one slice at a time, also inside a jitted layer, where a Python loop's slices would
+    be scheduled at once (the 12B's full prefill layer at 65,536 slots: 16 slices of 256 MiB
+    of scores and their softmax alive together, 13.1 GB against 5.6 GB). With cache_rows
+    (continuous batching: k, v hold F cache slots) one batch row at a time, its slot taken
+    once: a gathered copy of one slot, never of every row (a 31B full layer with 4 slots of
+    65,536: 1 GiB instead of 4)."""
     if cache_rows is not None:
         return _per_row(q, k, v, q_pos, kv_pos, q_group, kv_group, cache_rows, kw)
-    b, h, s, _ = q.shape
+    b, h, s, d = q.shape
     step = max(1, SCORE_BYTES // (4 * b * h * k.shape[2]))
     if step >= s:
         return reference(q, k, v, q_pos, kv_pos, q_group=q_group, kv_group=kv_group, **kw)
-    parts = []
-    for a in range(0, s, step):
-        z = slice(a, min(a + step, s))
-        grp = (None, None) if q_group is None else (q_group[:, z], kv_group)
-        parts.append(
-            reference(q[:, :, z], k, v, q_pos[:, z], kv_pos, q_group=grp[0], kv_group=grp[1], **kw)
-        )
-    return jnp.concatenate(parts, axis=2)
+    n = -(-s // step)
+
+    def sliced(x, axis):
+        """x padded along `axis` to n·step (edge values), the slices moved to a new axis 0."""
+        x = jnp.pad(x, [(0, n * step - s if a == axis else 0) for a in range(x.ndim)], "edge")
+        x = x.reshape(*x.shape[:axis], n, step, *x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
+
+    def one(part):
+        qs, ps, gs = part
+        grp = {} if q_group is None else dict(q_group=gs, kv_group=kv_group)
+        return reference(qs, k, v, ps, kv_pos, **grp, **kw)
+
+    groups = sliced(q_pos, 1) if q_group is None else sliced(q_group, 1)
+    out = jax.lax.map(one, (sliced(q, 2), sliced(q_pos, 1), groups))  # [n, B, H, step, Dv]
+    out = jnp.moveaxis(out, 0, 2)
+    return out.reshape(b, h, n * step, out.shape[-1])[:, :, :s]
 
 
 def _per_row(q, k, v, q_pos, kv_pos, q_group, kv_group, cache_rows, kw):
