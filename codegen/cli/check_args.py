@@ -55,15 +55,16 @@ def verify_parser(sub):
         dest="calls",
         action="store_const",
         const="every",
-        help="check every layer call numerically (layer by layer at released size): the "
-        "default, as long as --by-function misses its bound at E2B/E4B shapes (docs/codegen.md)",
+        help="check every layer call numerically (layer by layer at released size), not one "
+        "call per layer function (the default there)",
     )
     calls.add_argument(
         "--by-function",
         dest="calls",
         action="store_const",
         const="one",
-        help="check the layer graphs by layer function: the glue and one call of each function "
+        help="check the layer graphs by layer function at any size (the default where a graph "
+        "is checked layer by layer): the glue and one call of each function "
         "(chosen by --seed, named in the log) against ref with that layer's weights, and a "
         "proof from the graph and the checkpoint's headers that every call binds its own "
         "layer's weights and inputs as ref does (the row 'bindings')",

@@ -13,11 +13,13 @@ the "sliding call given the full layer's table" fault is a mask input rebound.
 import copy as copying
 import os
 
+import jax
 import numpy as np
 import onnx
 import pytest
 from onnx import helper
 
+from codegen import graphs
 from codegen.__main__ import main
 from codegen.check import by_function
 from codegen.check import verify as v
@@ -84,9 +86,9 @@ def _proof_fault(folder):
 
 def test_passes_as_exported_naming_the_calls_checked(out, capsys, monkeypatch):
     """The CLI checks one call per function, chosen by --seed and named, and proves the
-    bindings; by default (while BY_DEFAULT is off) a graph goes layer by layer; with it on, a
-    graph over BY_FUNCTION_BYTES that calls a function more than once goes by function,
-    --exhaustive layer by layer."""
+    bindings; by default a graph over BY_FUNCTION_BYTES that calls a function more than once
+    goes by function (layer by layer below it, or with BY_DEFAULT off), --exhaustive layer by
+    layer."""
     assert main(["verify", str(out), "--by-function", "--graph", "prefill", "--seed", "3",
                  "--skip-shard-check"]) == 0  # fmt: skip
     text = capsys.readouterr()
@@ -98,11 +100,13 @@ def test_passes_as_exported_naming_the_calls_checked(out, capsys, monkeypatch):
     assert all(c in text.err for c in checked) and text.err.count(") checked,") == 2, text.err
     folder, checkpoint, chosen = opened(out, False, ["prefill"])
     entry, spec, model = chosen[0]
-    monkeypatch.setattr(by_function, "BY_FUNCTION_BYTES", 0)
     monkeypatch.setattr(v, "LAYERWISE_BYTES", 0)
+    assert v._ways(spec, entry, model, checkpoint, None, None) == "layers"  # under 256 MiB
+    monkeypatch.setattr(by_function, "BY_FUNCTION_BYTES", 0)
+    assert v._ways(spec, entry, model, checkpoint, None, None) == "functions"
+    monkeypatch.setattr(by_function, "BY_DEFAULT", False)
     assert v._ways(spec, entry, model, checkpoint, None, None) == "layers"
     monkeypatch.setattr(by_function, "BY_DEFAULT", True)
-    assert v._ways(spec, entry, model, checkpoint, None, None) == "functions"
     assert v._ways(spec, entry, model, checkpoint, None, "every") == "layers"
     assert v._ways(spec, entry, model, checkpoint, False, None) == "whole"
 
@@ -215,3 +219,21 @@ def test_a_glue_bug_feeding_a_call_not_checked_is_named_at_its_input(copy):
     assert rows[0][-1], rows[0]
     bad = [(r[2], r[5]) for r in rows if not r[-1]]
     assert bad == [("layer inputs", f"layer {k} ({call.op_type}) input {j}")], rows
+
+
+def test_a_stood_in_hidden_state_is_its_input_plus_the_draw():
+    """A stood-in call's first float32 result shaped as its first input is that input plus
+    the standard normal draw of (seed, 1 + call, result) (numpy's generator as the oracle);
+    a call whose first input is a drawn cache, or not float32, gets plain draws."""
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 5, 8)).astype(np.float32) * 30
+    cache = graphs.Drawn((1, 2, 16, 4), (9,))
+    avals = [jax.ShapeDtypeStruct((1, 2, 16, 4), np.float32),
+             jax.ShapeDtypeStruct((1, 5, 8), np.float32)]  # fmt: skip
+    assert by_function.residual(avals, [hidden, cache]) == 1
+    assert by_function.residual(avals, [cache, hidden]) is None
+    assert by_function.residual(avals, [hidden.astype(np.int32)]) is None
+    assert by_function.residual(avals[:1], [hidden]) is None
+    got = graphs.Drawn((1, 5, 8), (7, 4, 1), then=by_function.Plus(hidden.copy())).value()
+    want = hidden + np.random.default_rng((7, 4, 1)).standard_normal((1, 5, 8), np.float32)
+    np.testing.assert_array_equal(got, want)
