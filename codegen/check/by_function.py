@@ -117,6 +117,17 @@ class StandIns:
 
     def __init__(self, seed, checkpoint):
         self.seed, self.checkpoint, self.shapes = seed, checkpoint, {}
+        self.checked = set()  # (function, its inputs' shapes and types) checked
+
+    def checked_before(self, kind, arrays):
+        """True when a call of function `kind` was checked on inputs of these shapes and types
+        already (at an earlier specialization of the graph: prefill's image budgets share
+        seq_len, so its layer calls share shapes); else records them and gives False."""
+        key = (kind, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in arrays))
+        if key in self.checked:
+            return True
+        self.checked.add(key)
+        return False
 
     def _avals(self, kind, slot, arrays, names):
         """(results' ShapeDtypeStructs, out_map, outputs' tree) of `slot` on `arrays`."""

@@ -309,7 +309,9 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log, chosen=Non
     """Rows (output, max abs err, rel err, where, ok) of the graph `model` (`spec`'s export)
     on the inputs `feed`, checked layer by layer; log(line) reports each layer. chosen:
     {function name: the one call of it checked} (`by_function`), every other call given
-    `stand_ins` (a `by_function.StandIns`) on both sides; None: every call checked."""
+    `stand_ins` (a `by_function.StandIns`, shared by a graph's specializations) on both
+    sides, and the chosen call too where `stand_ins` checked it on inputs of the same shapes
+    at an earlier specialization; None: every call checked."""
     for name in list(feed):
         x = feed.pop(name)
         feed[name] = x if isinstance(x, graphs.Drawn) else aligned(x)
@@ -342,6 +344,9 @@ def verify_specialization(spec, model, folder, checkpoint, feed, log, chosen=Non
     def check(module, kind, slot, arrays):
         k = len(calls)
         if chosen is not None and chosen.get(kind) != k:
+            return stand_in(k, module, kind, slot, arrays)
+        if chosen is not None and stand_ins.checked_before(kind, arrays):
+            log(f"  {spec.name}: layer {k} ({kind}) stood in: checked on inputs of these shapes")
             return stand_in(k, module, kind, slot, arrays)
         given = [graphs.drawn(a) for a in arrays]  # a `Drawn` cache: drawn for this layer
         arrays = [jax.device_put(g) if isinstance(a, graphs.Drawn) else a

@@ -88,17 +88,11 @@ def _layered(spec, model, folder, checkpoint, seed, log, chosen=None):
     """Rows as `_whole`'s, checked layer by layer (`check.layerwise`) on the graph `model`;
     chosen: the calls checked by layer function (`by_function.chosen_calls`), None: all."""
     rows = []
+    stand_ins = by_function.StandIns(seed, checkpoint)  # shared: a call checked once per shapes
     for s in spec.specializations:
         feed = _sample(spec, s, seed)
         found = layerwise.verify_specialization(
-            spec,
-            model,
-            folder,
-            checkpoint,
-            feed,
-            log,
-            chosen,
-            by_function.StandIns(seed, checkpoint),
+            spec, model, folder, checkpoint, feed, log, chosen, stand_ins
         )
         rows += [(s["name"], *r) for r in found]
         worst = max(found, key=lambda r: r[2])

@@ -11,6 +11,7 @@ the "sliding call given the full layer's table" fault is a mask input rebound.
 """
 
 import copy as copying
+import dataclasses
 import os
 
 import jax
@@ -237,3 +238,25 @@ def test_a_stood_in_hidden_state_is_its_input_plus_the_draw():
     got = graphs.Drawn((1, 5, 8), (7, 4, 1), then=by_function.Plus(hidden.copy())).value()
     want = hidden + np.random.default_rng((7, 4, 1)).standard_normal((1, 5, 8), np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_function_is_checked_once_per_input_shapes(out):
+    """A graph's specializations whose layer calls take inputs of the same shapes (prefill's
+    image budgets share seq_len) check each function's chosen call at the first only: at a
+    second specialization of the same shapes every call is stood in for, its glue and the
+    calls' inputs still compared, every row ok."""
+    folder, checkpoint, chosen = opened(out, False, ["prefill"])
+    _, spec, model = chosen[0]
+    twice = dataclasses.replace(spec, specializations=spec.specializations * 2)
+    picked = by_function.chosen_calls(model, 2, "prefill")
+    lines = []
+    rows = v._layered(twice, model, folder, checkpoint, 2, lines.append, picked)
+    checked = [x for x in lines if ") checked," in x]
+    again = [x for x in lines if "stood in: checked on inputs of these shapes" in x]
+    assert len(checked) == 2 == len(again), lines
+    assert {f"layer {k} ({fn})" for fn, k in picked.items()} == {
+        x.split(": ")[1].split(" checked")[0] for x in checked
+    }
+    assert rows and all(r[-1] for r in rows), rows
+    second = [r for r in rows[len(rows) // 2 :] if r[1] == "layer inputs"]
+    assert second, rows
