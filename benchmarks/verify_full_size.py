@@ -6,7 +6,8 @@ random bf16 values (normal, std 0.02 for matrices; near 1 for norm scales so act
 in range; clipped linears' bounds near ∓4, since 2026-12-06: before, near 0, they clipped every
 value): every tensor (`--random all`, the default for E2B), or the first `--random N`
 decoder layers of each kind plus every tensor outside the decoder layers, the rest left as
-holes that read as zeros (a 31B-shape checkpoint would otherwise write 58 GiB). It exports it
+holes that read as zeros (a 31B-shape checkpoint would otherwise write 58 GiB), and then
+the layers `verify` will check by layer function filled too (`checked_layers`). It exports it
 (`--no-verify`, shapes from the options below) and runs, in a child process,
 
     python -m codegen verify OUT
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -96,6 +98,36 @@ def chosen(names, random):
     return keep
 
 
+def checked_layers(out, seed):
+    """The layer indices `verify OUT --seed seed` checks by layer function in any graph of the
+    export `out` (`by_function.chosen_calls`; a graph's call k computes its tower's or
+    decoder's layer k)."""
+    from codegen.check import by_function
+    from codegen.folder import manifest
+
+    found = set()
+    for entry in manifest.load(out).graphs:
+        model = onnx.load(str(out / entry.file), load_external_data=False)
+        found |= set(by_function.chosen_calls(model, seed, entry.name).values())
+    return found
+
+
+def fill_layers(folder, layers, random, seed=1):
+    """Fill with random values the tensors of `layers` (indices) not filled by `--random`
+    (`chosen`) → bytes filled: the layers by-function verify checks get real weights."""
+    if random == "all":
+        return 0
+    ckpt = open_checkpoint(folder)
+    rng = np.random.default_rng(seed)
+    done = 0
+    for name in sorted(ckpt.tensors):
+        m = LAYER.search(name)
+        if m is not None and int(m.group(1)) in layers and int(m.group(1)) >= int(random):
+            fill(ckpt.tensors[name], rng)
+            done += ckpt.tensors[name].nbytes
+    return done
+
+
 def write_checkpoint(folder, config, random, seed=0, shapes=None):
     """A sparse checkpoint (export_weight_free) of the tensors `shapes` (default all) with the
     chosen tensors filled; -> bytes filled."""
@@ -144,6 +176,11 @@ def bench(name, root, args):
     rc, export_s, export_rss = child(export, root / f"{name}-export.log")
     if rc:
         return {"model": name, "error": (root / f"{name}-export.log").read_text()[-2000:]}
+    if not args.plan and not args.exhaustive:
+        layers = checked_layers(out, args.seed)
+        filled = fill_layers(model, layers, args.random)
+        print(f"{name}: layers {sorted(layers)} checked by function; {filled / 2**30:.1f} GiB "
+              "more of them filled", flush=True)  # fmt: skip
     log = root / f"{name}-{'plan' if args.plan else 'verify'}.log"
     verify = [sys.executable, "-m", "codegen", "verify", str(out)]
     for graph in filter(None, args.graphs.split(",")):
