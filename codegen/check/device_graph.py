@@ -4,6 +4,7 @@ node-precision plan keeps in float32, scalar statistics per tensor), its session
 first tensor that turned non-finite. `verify --precision` (`codegen.check.precision`), its
 layer-by-layer form, the node-precision plan (`npi`) and `drift --plans` run it."""
 
+import functools
 import math
 import os
 
@@ -118,15 +119,46 @@ def _fast_stat_nodes(name, values=None):
 _MOVES = frozenset(
     {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Identity"}
 )
+# ops whose results are some of their operands' values, unchanged: {op: the inputs that carry
+# those values (None: every input)}; the moves above carry their first
+_SELECTS = {
+    **{op: (0,) for op in _MOVES},
+    "Where": (1, 2),
+    "Max": None,
+    "Min": None,
+    "ReduceMax": (0,),
+    "ReduceMin": (0,),
+    "Slice": (0,),
+    "Gather": (0,),
+    "GatherElements": (0,),
+    "GatherND": (0,),
+    "Concat": None,
+    "Split": (0,),
+    "Tile": (0,),
+}
+
+
+def value_inputs(node):
+    """The inputs of `node` whose values its results are made of (`_SELECTS`), or None when it
+    computes new values."""
+    carried = _SELECTS.get(node.op_type, ())
+    if carried == ():
+        return None
+    ins = list(node.input)
+    return [i for k, i in enumerate(ins) if i and (carried is None or k in carried)]
 
 
 def moves(model, inputs, made, keep):
-    """The node results (of `made`) that only move or copy values already in the format: made
-    by a Transpose, Reshape, … whose float operands are rounded (graph inputs, node results a
-    plan does not keep, other such moves), so the device's rounding of them changes nothing
-    and their statistics are their operands': neither is added (a 31B layer's transposed
-    weights were 2 GB rounded and read again). A move of a kept or initializer value is
-    rounded as any other result."""
+    """The node results (of `made`) that only move, copy or select values already in the
+    format: made by a Transpose, Reshape, … or a Where, Max, ReduceMax, Slice, Gather, …
+    (`_SELECTS`) whose float operands are rounded (graph inputs, node results a plan does
+    not keep, other such results), so the device's rounding of them changes nothing and
+    their statistics are bounded by their operands' (their values are some of the operands'
+    values: the largest |x| is no larger, and a non-finite value was one in an operand
+    first): neither is added (a 31B layer's transposed weights were 2 GB rounded and read
+    again; an E2B vision layer's masked score tiles at 10,080 patches, 0.5 GB each, took
+    full statistics for their mask's −inf). A result of a kept or initializer value is
+    rounded as any other."""
     keep = set(keep)
     rounded = set(inputs) | (set(made) - keep)
     floats = set(inputs) | set(made)
@@ -134,7 +166,7 @@ def moves(model, inputs, made, keep):
     out = set()
     for node in model.graph.node:
         results = [o for o in node.output if o]
-        if node.op_type not in _MOVES or not all(o in rounded for o in results):
+        if value_inputs(node) is None or not all(o in rounded for o in results):
             continue
         if all(i in rounded or i not in floats for i in node.input if i):
             out.update(results)
@@ -338,17 +370,17 @@ def first_nonfinite_name(stats, names, producers):
 
 def _finite_or_moved(finite, producers):
     """seen(name): whether the tensor `name` is all finite as far as the statistics tell — a
-    `moves` result (not probed) as the operand it moves, an unprobed value as finite."""
+    `moves` result (not probed) as the operands whose values it carries (`value_inputs`), an
+    unprobed value as finite."""
 
     def seen(name):
-        while name not in finite:
-            node = producers.get(name)
-            if node is None or node.op_type not in _MOVES:
-                return True
-            name = node.input[0]
-        return finite[name]
+        if name in finite:
+            return finite[name]
+        node = producers.get(name)
+        carried = None if node is None else value_inputs(node)
+        return carried is None or all(seen(i) for i in carried)
 
-    return seen
+    return functools.cache(seen)
 
 
 def formats(precision, kv_dtype):

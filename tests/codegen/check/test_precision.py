@@ -502,3 +502,83 @@ def test_mxfp6_weights_move_the_soft_tokens_by_their_rounding(default_model):
         got = with_mxfp6(default_model, element).vision.embed(patches, grids)[0]
         moved[element] = np.max(np.abs(got - want)) / np.max(np.abs(want))
     assert 1e-4 < moved["e2m3"] < moved["e3m2"] < 0.5, moved
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    st.lists(stat_values | st.floats(-1e4, 1e4, width=32), min_size=2, max_size=12),
+    st.lists(st.booleans(), min_size=12, max_size=12),
+    st.sampled_from([1.0, 2.0, 300.0]),
+)
+def test_selected_values_are_not_rounded_or_probed_and_answers_stand(values, mask, scale):
+    """A masked softmax's pieces that only select values (Where with a −inf fill, ReduceMax)
+    get neither a rounding pair nor statistics (`moves`); the largest finite |x| over what is
+    probed, and the first tensor named non-finite (`first_nonfinite_name`), are numpy's over
+    every tensor, the selections included (the Sub after the −inf fill is not named: its −inf
+    came from the fill). Graph: s = x·scale, w = Where(mask, s, −inf), m = ReduceMax(w),
+    d = w − m, e = exp(d), each rounded to float16 in numpy as the device rounds it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from codegen.check.device_graph import device_graph, first_nonfinite_name, stats_of
+
+    n = len(values)
+    nodes = [
+        helper.make_node("Constant", [], ["fill"], value=helper.make_tensor(
+            "v", TensorProto.FLOAT, [], [-np.inf])),
+        helper.make_node("Mul", ["x", "scale"], ["s"]),
+        helper.make_node("Where", ["mask", "s", "fill"], ["w"]),
+        helper.make_node("ReduceMax", ["w"], ["m"], keepdims=1),
+        helper.make_node("Sub", ["w", "m"], ["d"]),
+        helper.make_node("Exp", ["d"], ["e"]),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n]),
+         helper.make_tensor_value_info("mask", TensorProto.BOOL, [n])],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [n])],
+        initializer=[helper.make_tensor("scale", TensorProto.FLOAT, [], [scale])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x, keep = np.asarray(values, np.float32), np.asarray(mask[:n])
+    m, names, outputs = device_graph(model, "float16", stats=True)
+    assert "w" not in names and "m" not in names and {"s", "d", "e"} <= set(names), names
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip(outputs, session.run(outputs, {"x": x, "mask": keep}), strict=True))
+    stats = stats_of(got, names)
+    producers = {o: nd for nd in model.graph.node for o in nd.output}
+
+    def r(t):
+        return np.asarray(t, np.float32).astype(np.float16).astype(np.float32)
+
+    with np.errstate(all="ignore"):
+        xr = r(x)
+        s = r(xr * np.float32(scale))
+        w = np.where(keep, s, np.float32(-np.inf))
+        mx = w.max(keepdims=True)
+        d = r(w - mx)
+        tensors = {
+            "fill": np.float32([-np.inf]),
+            "s": s,
+            "w": w,
+            "m": mx,
+            "d": d,
+            "e": r(np.exp(d)),
+        }
+    reads = {"fill": [], "s": ["x"], "w": ["s", "fill"], "m": ["w"], "d": ["w", "m"], "e": ["d"]}
+    # an input is read as the caller gave it (`_known`): its rounding's overflow is named at
+    # its first reader
+    finite = {"x": bool(np.isfinite(x).all()), **{k: bool(np.isfinite(t).all())
+                                                  for k, t in tensors.items()}}  # fmt: skip
+    want = None
+    for k in ("s", "w", "m", "d", "e"):
+        if np.isnan(tensors[k]).any() or (not finite[k] and all(finite[i] for i in reads[k])):
+            want = k
+            break
+    known = {**stats, "x": (0.0, False, finite["x"])}  # as `layered_precision._known` adds it
+    assert first_nonfinite_name(known, names, producers) == want
+    peaks = [
+        float(np.abs(t[np.isfinite(t)]).max()) for t in tensors.values() if np.isfinite(t).any()
+    ]
+    if not any(np.isnan(t).any() for t in tensors.values()):  # a NaN: reductions differ
+        assert max((stats[k][0] for k in names), default=0.0) == max(peaks, default=0.0)
