@@ -31,7 +31,10 @@ def all_finite(x):
     """True when array x is all finite, found without a host copy or a mask of x's size (a
     large jax array: one fused reduction; else CHUNK values at a time); False when not."""
     if isinstance(x, jax.Array) and x.size > CHUNK:
-        return bool(_finite_reduced(x))
+        # evaluated now even where a trace is being made around it (a concrete array read
+        # inside `lax.map`'s body would otherwise give a traced answer)
+        with jax.ensure_compile_time_eval():
+            return bool(_finite_reduced(x))
     flat = np.asarray(x).reshape(-1)
     return all(np.isfinite(flat[a : a + CHUNK]).all() for a in range(0, flat.size, CHUNK))
 

@@ -113,7 +113,14 @@ class Compiled:
     `ref.numerics.emulate` in float32 (the same values: nothing is rounded), each transpose
     is folded into the matmul that reads it, which XLA:CPU does not do at one row (a decode
     step). Layers of one kind share structure and static inputs
-    (`graphs.route_layers` checks), so the first call's trace serves them all."""
+    (`graphs.route_layers` checks), so the first call's trace serves them all.
+
+    A program whose temporaries (XLA's own memory plan) exceed TEMP_BYTES runs op by op
+    instead, each temporary freed when its operation is done: XLA schedules independent work
+    at once, so a 26B-A4B MoE layer's `nsp` prefill (8 expert slots × 4 token chunks, each
+    slot's weights transposed) held 5–6 GB of temporaries compiled."""
+
+    TEMP_BYTES = 2 << 30
 
     def __init__(self):
         self.fns = {}
@@ -127,7 +134,16 @@ class Compiled:
                 distinct, found["map"], found["tree"] = slot.results(list(a))
                 return distinct
 
-            self.fns[kind] = (jax.jit(numerics.emulate(body, "float32")), found)
-        fn, found = self.fns[kind]
-        made = jax.block_until_ready(fn(*arrays))  # its weights' buffers are then free
+            self.fns[kind] = (jax.jit(numerics.emulate(body, "float32")), found, {})
+        fn, found, programs = self.fns[kind]
+        key = tuple((a.shape, str(a.dtype)) for a in arrays)
+        if key not in programs:
+            program = fn.lower(*arrays).compile()
+            temp = program.memory_analysis().temp_size_in_bytes
+            programs[key] = program if temp <= self.TEMP_BYTES else None
+        program = programs[key]
+        if program is None:  # op by op
+            made, out_map, tree = slot.results(list(arrays))
+            return jax.block_until_ready(made), out_map, tree
+        made = jax.block_until_ready(program(*arrays))  # its weights' buffers are then free
         return made, found["map"], found["tree"]

@@ -153,3 +153,30 @@ def test_stored_weights_are_the_checkpoints_values_rounded(tmp_path_factory, dra
                 want = a.astype(np.float32).astype(low).astype(np.float32)
             assert g.dtype == np.float32
             assert np.array_equal(np.asarray(g).view(np.uint32), want.view(np.uint32)), n
+
+
+def test_a_layer_whose_program_needs_too_many_temporaries_runs_op_by_op(monkeypatch):
+    """`Compiled` runs a layer kind's program when XLA's memory plan keeps its temporaries
+    under TEMP_BYTES, else the layer op by op (its results called on concrete arrays); the
+    same results either way, and the choice made once per kind and shapes."""
+    from codegen.check.layer_buffers import Compiled
+
+    seen = []
+
+    class Slot:
+        def results(self, arrays):
+            seen.append(isinstance(arrays[0], jax.core.Tracer))
+            x, w = arrays
+            return [jax.numpy.tanh(x @ w) @ w.T], [("made", 0)], "tree"
+
+    rng = np.random.default_rng(0)
+    x, w = (jax.numpy.asarray(rng.standard_normal(s), np.float32) for s in ((64, 256), (256, 512)))
+    want = np.tanh(np.asarray(x, np.float64) @ np.asarray(w)) @ np.asarray(w).T
+    for budget, traced in ((1 << 30, True), (0, False)):
+        monkeypatch.setattr(Compiled, "TEMP_BYTES", budget)
+        compiled, seen[:] = Compiled(), []
+        for _ in range(2):
+            (got,), out_map, tree = compiled.results("kind", Slot(), [x, w])
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-4)
+            assert (out_map, tree) == ([("made", 0)], "tree")
+        assert seen == ([True] if traced else [True, False, False]), (budget, seen)

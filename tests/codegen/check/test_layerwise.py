@@ -11,6 +11,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import onnx
 import pytest
@@ -382,6 +383,24 @@ def test_sliced_reference_is_the_dense_answer_slice_by_slice(s, per, groups, jit
         layerwise.SCORE_BYTES = old
     want = reference(q, k, v, q_pos, kv_pos, sliding_window=3, **grp)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_sliced_reference_checks_concrete_keys_inside_its_loop(monkeypatch):
+    """Run eagerly (a layer too large to compile, `layer_buffers.Compiled`), the slices' loop
+    reads concrete keys of more than `validate.CHUNK` values: checked there as anywhere (a NaN
+    refused at its index), not a traced answer the check cannot read."""
+    b, h, s, t, d = 1, 2, 4, (1 << 22) // 8 + 8, 8
+    monkeypatch.setattr(layerwise, "SCORE_BYTES", 4 * b * h * t * 2)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, h, s, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, 1, t, d)), jnp.float32)
+    q_pos = jnp.asarray(np.arange(s)[None] + t - s, jnp.int32)
+    kv_pos = jnp.asarray(np.arange(t)[None], jnp.int32)
+    got = layerwise.sliced_reference(q, k, k, q_pos, kv_pos)
+    want = reference(q[:, :, :2], k, k, q_pos[:, :2], kv_pos)
+    np.testing.assert_allclose(np.asarray(got[:, :, :2]), np.asarray(want), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"k\[0, 0, 9, 1\] = nan: expected finite values"):
+        layerwise.sliced_reference(q, k.at[0, 0, 9, 1].set(jnp.nan), k, q_pos, kv_pos)
 
 
 def test_sliced_reference_runs_one_slice_at_a_time_when_jitted(monkeypatch):
