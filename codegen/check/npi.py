@@ -148,7 +148,8 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log, ref):
             bad = first_nonfinite_name(stats, names, producers)
             if bad is None:
                 ref.pair(label, feed)
-                top = max([top] + [(stats[n][0], n) for n in names if n not in kept])
+                rounded = [(stats[n][0], n) for n in names if n not in kept]
+                top = max([top, *rounded], key=lambda t: t[0])  # ties: the first
                 break
             if len(keep) == MOST:
                 raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
@@ -181,7 +182,7 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
         peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6,
                            full)  # fmt: skip
         ref.pair(label, feed)
-        top = max(top, peak)
+        top = max(top, peak, key=lambda t: t[0])  # ties: the first
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
 
