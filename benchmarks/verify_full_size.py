@@ -112,33 +112,29 @@ def checked_layers(out, seed):
     return found
 
 
+def fill_names(folder, names, seed):
+    """Fill the checkpoint's tensors `names` (in order) with random values → bytes filled."""
+    ckpt = open_checkpoint(folder)
+    rng = np.random.default_rng(seed)
+    for name in names:
+        fill(ckpt.tensors[name], rng)
+    return sum(ckpt.tensors[n].nbytes for n in names)
+
+
 def fill_layers(folder, layers, random, seed=1):
     """Fill with random values the tensors of `layers` (indices) not filled by `--random`
     (`chosen`) → bytes filled: the layers by-function verify checks get real weights."""
-    if random == "all":
-        return 0
-    ckpt = open_checkpoint(folder)
-    rng = np.random.default_rng(seed)
-    done = 0
-    for name in sorted(ckpt.tensors):
-        m = LAYER.search(name)
-        if m is not None and int(m.group(1)) in layers and int(m.group(1)) >= int(random):
-            fill(ckpt.tensors[name], rng)
-            done += ckpt.tensors[name].nbytes
-    return done
+    names = sorted(open_checkpoint(folder).tensors)
+    done = set(chosen(names, random))
+    mine = [n for n in names if (m := LAYER.search(n)) and int(m.group(1)) in layers]
+    return fill_names(folder, [n for n in mine if n not in done], seed)
 
 
 def write_checkpoint(folder, config, random, seed=0, shapes=None):
     """A sparse checkpoint (export_weight_free) of the tensors `shapes` (default all) with the
     chosen tensors filled; -> bytes filled."""
     write_sparse_checkpoint(folder, config, shapes)
-    ckpt = open_checkpoint(folder)
-    rng = np.random.default_rng(seed)
-    done = 0
-    for name in chosen(sorted(ckpt.tensors), random):
-        fill(ckpt.tensors[name], rng)
-        done += ckpt.tensors[name].nbytes
-    return done
+    return fill_names(folder, chosen(sorted(open_checkpoint(folder).tensors), random), seed)
 
 
 def worst_per_graph(text):

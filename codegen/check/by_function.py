@@ -26,7 +26,7 @@ import numpy as np
 
 from codegen import graphs
 from codegen.check import bindings
-from codegen.check.layer_buffers import float32_bytes
+from codegen.check.layer_buffers import float32_bytes, signature
 from codegen.graphs import kinds
 
 # Graphs whose float32 weights exceed this are checked by layer function by default when they
@@ -123,7 +123,7 @@ class StandIns:
         """True when a call of function `kind` was checked on inputs of these shapes and types
         already (at an earlier specialization of the graph: prefill's image budgets share
         seq_len, so its layer calls share shapes); else records them and gives False."""
-        key = (kind, tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in arrays))
+        key = (kind, signature(arrays))
         if key in self.checked:
             return True
         self.checked.add(key)
@@ -133,7 +133,7 @@ class StandIns:
         """(results' ShapeDtypeStructs, out_map, outputs' tree) of `slot` on `arrays`."""
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
         params = [jax.ShapeDtypeStruct(self.checkpoint.tensors[n].shape, np.float32) for n in names]
-        key = (kind, tuple((a.shape, str(a.dtype)) for a in args))
+        key = (kind, signature(args))
         if key not in self.shapes:
             found = {}
 

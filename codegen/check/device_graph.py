@@ -141,11 +141,10 @@ _SELECTS = {
 def value_inputs(node):
     """The inputs of `node` whose values its results are made of (`_SELECTS`), or None when it
     computes new values."""
-    carried = _SELECTS.get(node.op_type, ())
-    if carried == ():
+    if node.op_type not in _SELECTS:
         return None
-    ins = list(node.input)
-    return [i for k, i in enumerate(ins) if i and (carried is None or k in carried)]
+    carried = _SELECTS[node.op_type]
+    return [i for k, i in enumerate(node.input) if i and (carried is None or k in carried)]
 
 
 def moves(model, inputs, made, keep):

@@ -106,6 +106,12 @@ def _widened(w, precision):
     return numerics.round_to(w.astype(jnp.float32), precision)
 
 
+def signature(arrays):
+    """The shapes and element types of `arrays` (jax or numpy arrays, `graphs.Drawn`, shape
+    structs), hashable: what a layer's program or stand-ins are kept under."""
+    return tuple((tuple(a.shape), str(np.dtype(a.dtype))) for a in arrays)
+
+
 class Compiled:
     """Each layer kind's results (`graphs._Slot.results`) compiled once (`jax.jit`) for one
     pass over a graph's layers. Run op by op, `ref.layers.linear`'s `weight.T` was a
@@ -136,7 +142,7 @@ class Compiled:
 
             self.fns[kind] = (jax.jit(numerics.emulate(body, "float32")), found, {})
         fn, found, programs = self.fns[kind]
-        key = tuple((a.shape, str(a.dtype)) for a in arrays)
+        key = signature(arrays)
         if key not in programs:
             program = fn.lower(*arrays).compile()
             temp = program.memory_analysis().temp_size_in_bytes

@@ -65,7 +65,7 @@ def sliced_reference(q, k, v, q_pos, kv_pos, *, q_group=None, kv_group=None, cac
     65,536: 1 GiB instead of 4)."""
     if cache_rows is not None:
         return _per_row(q, k, v, q_pos, kv_pos, q_group, kv_group, cache_rows, kw)
-    b, h, s, d = q.shape
+    b, h, s, _ = q.shape
     step = max(1, SCORE_BYTES // (4 * b * h * k.shape[2]))
     if step >= s:
         return reference(q, k, v, q_pos, kv_pos, q_group=q_group, kv_group=kv_group, **kw)
