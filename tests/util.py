@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from hypothesis import settings
+from PIL import Image
 
 
 def rel_err(got, want):
@@ -213,3 +214,12 @@ def released_template():
         pytest.skip(f"{path} is absent: the released template is test data beside the checkout")
     with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def save_animation(path, frames, fps):
+    """An animated PNG of frames [T, H, W, 3] uint8 whose frame duration carries fps (none
+    when fps is None) → path."""
+    timing = {} if fps is None else {"duration": 1000 / fps}
+    first, *rest = [Image.fromarray(f) for f in frames]
+    first.save(path, save_all=True, append_images=rest, default_image=False, **timing)
+    return path

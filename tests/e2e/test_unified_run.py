@@ -1,8 +1,9 @@
 """Gemma 4 12B Unified through the exported graphs: `python -m codegen export` on a tiny
 gemma4_unified checkpoint writes the embedder graphs in place of the towers (verified in
-onnxruntime as it exports), and `python -m codegen run --image F.png --audio F.wav --prompt
-TEXT` gives the tokens transformers' `generate` gives on what Gemma4UnifiedProcessor makes of
-the same pixels, samples and text, speculating with its MTP drafter (`export --assistant`) and
+onnxruntime as it exports), and `python -m codegen run --image F.png --video F.png --audio
+F.wav --prompt TEXT` (and `serve` with such requests) gives the tokens transformers'
+`generate` gives on what Gemma4UnifiedProcessor makes of the same pixels, frames, samples and
+text, speculating with its MTP drafter (`export --assistant`) and
 without; `drift` runs its embedder in the device model; the towers' options are refused in
 one line."""
 
@@ -17,13 +18,14 @@ from codegen.export.options import ExportError
 from ref.gemma4.unified_model import Gemma4Unified
 from tests.assistant_oracle import repeating_assistant
 from tests.hf_processor import word_backend, word_tokenizer
-from tests.hf_unified import HF_INPUTS, hf_greedy, hf_unified, unified_processor
+from tests.hf_unified import HF_INPUTS, VideoStandIn, hf_greedy, hf_unified, unified_processor
 from tests.text_oracle import text_config
-from tests.util import assert_served, serve_requests, write_wav
+from tests.util import assert_served, save_animation, serve_requests, write_wav
 
 NEW_TOKENS = 6
 MARGIN = 1e-4
 BUDGET = 70
+FRAMES = 2  # frames kept of a video (`--video-frames`, the processor's num_frames)
 LAYERS = ["sliding_attention", "full_attention"]  # hf_unified's decoder (unified_config)
 
 
@@ -61,13 +63,22 @@ def files(tmp_path, rng, name, samples, photo=None):
     return ints[:, 0].astype(np.float32) / 32768
 
 
-def hf_tokens(model, prompt, images, clips):
-    inputs = unified_processor(word_tokenizer(), BUDGET)(
-        text=[prompt], images=[images] if images else None, audio=clips, return_tensors="pt"
-    )
+def hf_tokens(model, prompt, images, clips, videos=()):
+    """transformers' greedy tokens on Gemma4UnifiedProcessor's output for the prompt, images
+    [H, W, 3], clips [n] and videos [(frames [T, H, W, 3], fps)] (FRAMES kept of each)."""
+    stand_in = VideoStandIn([fps for _, fps in videos], num_frames=FRAMES) if videos else None
+    inputs = unified_processor(word_tokenizer(), BUDGET, stand_in)(
+        text=[prompt], images=[images] if images else None, audio=clips or None,
+        videos=[f for f, _ in videos] or None, return_tensors="pt",
+    )  # fmt: skip
     want, gap = hf_greedy(model, {k: inputs[k] for k in HF_INPUTS if k in inputs}, NEW_TOKENS)
     assert gap > MARGIN, gap
     return want
+
+
+def video(rng, total, fps):
+    """(frames [total, H, W, 3] uint8 of 50–140 px a side, fps)."""
+    return rng.integers(0, 256, (total, *rng.integers(50, 141, 2), 3), np.uint8), fps
 
 
 def test_run_gives_transformers_tokens(exported, tmp_path, capsys):
@@ -95,22 +106,45 @@ def test_run_gives_transformers_tokens(exported, tmp_path, capsys):
         assert ("accepted" in out.err) == (not speculate), out.err
 
 
+def test_run_with_a_video_gives_transformers_tokens(exported, tmp_path, capsys):
+    """`run --video F.png --video-frames 2` (an animated PNG whose frame duration carries its
+    fps, so the timestamps are transformers') beside a clip: frames sampled and stamped as the
+    processor does; the tokens move when the second sampled frame is the first's copy."""
+    model, _, out = exported
+    rng = np.random.default_rng(4)  # a draw whose tokens follow the frames (most give 59s)
+    frames, fps = video(rng, 5, 2.0)
+    clip = files(tmp_path, rng, "v", 1_300)
+    prompt = "see <|audio|> then <|video|>"
+    want = hf_tokens(model, prompt, [], [clip], [(frames, fps)])
+    copied = hf_tokens(model, prompt, [], [clip], [(frames[[0, 1, 0, 3, 4]], fps)])  # keeps 0, 2
+    assert (copied != want).any(), "the tokens do not see the second frame"
+    args = ["run", str(out), "--prompt", prompt, "--no-chat", "--audio", str(tmp_path / "v.wav")]
+    args += ["--video", str(save_animation(tmp_path / "v.png", frames, fps))]
+    args += ["--video-frames", str(FRAMES), "--max-new-tokens", str(NEW_TOKENS)]
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ",".join(str(int(t)) for t in want)
+
+
 def test_serve_requests_get_transformers_tokens(exported, tmp_path):
-    """Three requests over 2 slots (an image and a clip; a clip; two clips), the third waiting
-    for a slot: each gets transformers' tokens for it alone."""
+    """Three requests over 2 slots (an image and a clip; a clip and a video of 2 frames kept
+    of 6; two clips), the third waiting for a slot: each gets transformers' tokens for it
+    alone."""
     model, _, out = exported
     rng = np.random.default_rng(4)
     photo = rng.integers(0, 256, (60, 50, 3), np.uint8)
-    asks = [("this <|audio|> and <|image|> that", ["a"], ["a.png"], [photo], [1_900]),
-            ("look at <|audio|> then", ["b"], [], [], [700]),
-            ("<|audio|> this <|audio|>", ["c", "d"], [], [], [300, 3_100])]  # fmt: skip
+    clip = video(np.random.default_rng(0), 6, 3.0)  # its tokens change with its frame 3
+    save_animation(tmp_path / "b.png", *clip)
+    asks = [("this <|audio|> and <|image|> that", ["a"], ["a.png"], [photo], [1_900], []),
+            ("look at <|audio|> then <|video|>", ["b"], [], [], [700], [clip]),
+            ("<|audio|> this <|audio|>", ["c", "d"], [], [], [300, 3_100], [])]  # fmt: skip
     lines, wants = [], []
-    for prompt, names, pngs, photos, lengths in asks:
+    for prompt, names, pngs, photos, lengths, videos in asks:
         clips = [files(tmp_path, rng, n, k, photos[0] if pngs and i == 0 else None)
                  for i, (n, k) in enumerate(zip(names, lengths, strict=True))]  # fmt: skip
-        wants.append(hf_tokens(model, prompt, photos, clips))
+        wants.append(hf_tokens(model, prompt, photos, clips, videos))
         lines.append(dict(prompt=prompt, audios=[f"{n}.wav" for n in names], images=pngs,
-                          chat=False, max_new_tokens=NEW_TOKENS))  # fmt: skip
+                          videos=["b.png"] * len(videos), video_frames=FRAMES, chat=False,
+                          max_new_tokens=NEW_TOKENS))  # fmt: skip
     _, (got, timeline) = serve_requests(out, lines, tmp_path)
     assert_served(got, wants, timeline)
 

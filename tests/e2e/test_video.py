@@ -24,7 +24,7 @@ from ref.gemma4.multimodal import prompt_inputs
 from tests.hf_processor import WORDS, greedy_with_gap, hf_processor, word_backend, word_tokenizer
 from tests.hf_video import VideoStandIn
 from tests.text_oracle import hf_model, text_config
-from tests.util import examples
+from tests.util import examples, save_animation
 
 NEW_TOKENS = 8
 MARGIN = 1e-4
@@ -90,15 +90,6 @@ def hf_tokens(model, text, image, videos, num_frames):
     inputs = {k: out[k] for k in HF_INPUTS if k in out}
     tokens, gap = greedy_with_gap(model, inputs, NEW_TOKENS)
     return tokens, inputs["input_ids"][0].numpy(), gap
-
-
-def save_animation(path, frames, fps):
-    """An animated PNG of frames [T, H, W, 3] uint8 whose frame duration carries fps (none
-    when fps is None) → path."""
-    timing = {} if fps is None else {"duration": 1000 / fps}
-    first, *rest = [Image.fromarray(f) for f in frames]
-    first.save(path, save_all=True, append_images=rest, default_image=False, **timing)
-    return path
 
 
 _REFS = {}
