@@ -44,12 +44,12 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     shards: list[Path]
 
-    def read(self, name: str, *, mapped: bool = True, out=None) -> np.ndarray:
+    def read(self, name: str, *, mapped: bool = True, out=None, stage=None) -> np.ndarray:
         """One tensor by its checkpoint name, memory-mapped (or read into memory: `mapped`
-        False, into `out` when given; see `read_tensor`)."""
+        False, into `out` when given, cast through `stage` when given; see `read_tensor`)."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.dir}: no tensor {name!r} in the checkpoint")
-        return read_tensor(self.tensors[name], mapped=mapped, out=out)
+        return read_tensor(self.tensors[name], mapped=mapped, out=out, stage=stage)
 
     def tree(self, prefix: str = "", *, lazy: bool = False) -> dict:
         """Nested dict of arrays keyed by the names split on "."; `prefix` selects and strips.

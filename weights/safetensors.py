@@ -356,20 +356,32 @@ def pread_into(f, info: TensorInfo, buffer: np.ndarray, offset: int) -> None:
         at = b
 
 
-def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None = None):
+def read_tensor(
+    info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None = None,
+    stage: np.ndarray | None = None,
+):  # fmt: skip
     """One tensor, bit-exact: memory-mapped read-only (pages are read when touched), or with
     mapped=False read into a private buffer (no page of the file stays mapped: touched pages
     of a mapping count in the process's resident memory until the mapping goes): `out` when
     given (a C-contiguous array of the tensor's dtype and shape, reused from tensor to
-    tensor, so no fresh page is touched), else a new one."""
+    tensor, so no fresh page is touched), else a new one. stage (a uint8 array of at least
+    one element's bytes) with `out`: out may be of another dtype, the tensor's bytes are read
+    len(stage) at a time into stage and cast into out (a bfloat16 expert table of 1 GB read
+    as float32 through 64 MiB, not through a second buffer of the whole)."""
     dt = _readable(info)
     if out is not None:
         mapped = False
-        if out.dtype != dt or out.shape != tuple(info.shape) or not out.flags.c_contiguous:
+        same = out.dtype == dt or (stage is not None and stage.dtype == np.uint8)
+        if not same or out.shape != tuple(info.shape) or not out.flags.c_contiguous:
             raise ValueError(
                 f"{info.name}: out is {out.dtype}{list(out.shape)}, needs a C-contiguous "
-                f"{dt}{list(info.shape)}"
+                f"{dt}{list(info.shape)} (another dtype: with a uint8 stage)"
             )
+    if stage is not None and (out is None or len(stage) < dt.itemsize or stage.ndim != 1):
+        raise ValueError(
+            f"{info.name}: stage {stage.dtype}{list(stage.shape)} needs `out` and one dimension "
+            f"of at least {dt.itemsize} bytes"
+        )
     if info.nbytes == 0:
         return np.zeros(info.shape, dt) if out is None else out
     with open_regular(info.file) as f:
@@ -377,6 +389,8 @@ def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None
         if info.offset + info.nbytes > st.st_size:
             # Mapping past the end would fault (SIGBUS) on first touch.
             _shrunk(info, st.st_size)
+        if stage is not None:
+            return _staged(f, info, dt, out, stage)
         if not mapped:
             out = np.empty(info.shape, dt) if out is None else out
             pread_into(f, info, out.reshape(-1).view(np.uint8), info.offset)
@@ -384,6 +398,17 @@ def read_tensor(info: TensorInfo, *, mapped: bool = True, out: np.ndarray | None
         mapping = _map_file(f, st)
     count = math.prod(info.shape)
     return np.frombuffer(mapping, dt, count, info.offset).reshape(info.shape)
+
+
+def _staged(f, info: TensorInfo, dt: np.dtype, out: np.ndarray, stage: np.ndarray):
+    """`read_tensor` into `out` through `stage`: whole elements at a time, each cast."""
+    flat, step = out.reshape(-1), len(stage) // dt.itemsize
+    for a in range(0, flat.size, step):
+        n = min(step, flat.size - a)
+        held = stage[: n * dt.itemsize]
+        pread_into(f, info, held, info.offset + a * dt.itemsize)
+        flat[a : a + n] = held.view(dt)
+    return out
 
 
 # Open mappings by file identity. Each mmap holds a file descriptor, so one per file (kept

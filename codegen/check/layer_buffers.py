@@ -17,6 +17,8 @@ from ref import numerics
 # buffers in use from which `Buffers.reclaim` collects garbage (a fresh page costs about
 # 0.5 ns a byte: 64 MiB of new buffers cost ~30 ms, a collection in a large process more)
 RECLAIM_BYTES = 64 << 20
+# the bytes a tensor stored in another type is read through (`Buffers.read`)
+STAGE_BYTES = 64 << 20
 
 
 def float32_bytes(spec, checkpoint):
@@ -69,14 +71,15 @@ class Buffers:
         return buf[start : start + size - align].view(dtype).reshape(shape)
 
     def read(self, checkpoint, name, dtype=np.float32):
-        """Checkpoint tensor `name` as `dtype` in one of the buffers (read into another one
-        first when it is stored in another type)."""
+        """Checkpoint tensor `name` as `dtype` in one of the buffers (stored in another type:
+        read and cast STAGE_BYTES at a time through another one). A whole second buffer held
+        the 26B-A4B's largest bfloat16 expert table (1 GB) for the pass's life."""
         info = checkpoint.tensors[name]
         out = self.empty(info.shape, dtype)
         if info.np_dtype == out.dtype:
             return checkpoint.read(name, out=out)
-        out[...] = checkpoint.read(name, out=self.empty(info.shape, info.np_dtype))
-        return out
+        stage = self.empty((min(STAGE_BYTES, max(info.nbytes, 1)),), np.uint8)
+        return checkpoint.read(name, out=out, stage=stage)
 
 
 def collected(spec, checkpoint):

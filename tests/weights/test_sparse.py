@@ -2,16 +2,18 @@
 layers) reads as zeros there, whole, into a reused buffer and by blocks, whether or not the
 file system reports its holes."""
 
+import dataclasses
 import errno
 import json
 import os
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weights.blocks import read_block
-from weights.safetensors import read_header, read_tensor
+from weights.safetensors import numpy_dtype, read_header, read_tensor
 
 PAGE = 4096
 
@@ -98,3 +100,28 @@ def test_a_file_of_holes_only_reads_as_zeros(tmp_path):
     _sparse_file(path, np.ones(3000, np.float32), [])
     out = np.full(3000, np.nan, np.float32)
     assert not read_tensor(read_header(path)["t"], out=out).any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(layouts(), st.integers(2, 3 * PAGE), st.sampled_from(["BF16", "F16"]))
+def test_read_through_a_stage_casts_every_element(tmp_path_factory, layout, stage, code):
+    """A 16-bit tensor with holes read into float32 through a stage of any length of at least
+    one element (not a multiple of the element: the last byte unused): every element equals
+    numpy's cast of the stored values, holes zeros; a stage shorter than an element, or a
+    stage without `out`, is refused naming it."""
+    size, written, seed = layout
+    dt = numpy_dtype(code)
+    values = (np.random.default_rng(seed).standard_normal(2 * size) + 1).astype(dt)
+    path = tmp_path_factory.mktemp("staged") / "model.safetensors"
+    _sparse_file(path, values.view(np.float32), written)
+    info = read_header(path)["t"]
+    info = dataclasses.replace(info, dtype=code, shape=(2, size))
+    held = np.frombuffer(path.read_bytes()[PAGE : PAGE + values.nbytes], dt).reshape(2, size)
+    out = np.full((2, size), np.nan, np.float32)
+    got = read_tensor(info, out=out, stage=np.empty(stage, np.uint8))
+    assert got is out
+    np.testing.assert_array_equal(got, held.astype(np.float32))
+    with pytest.raises(ValueError, match="stage uint8\\[1\\] needs `out`"):
+        read_tensor(info, out=out, stage=np.empty(1, np.uint8))
+    with pytest.raises(ValueError, match="stage uint8\\[8\\] needs `out`"):
+        read_tensor(info, stage=np.empty(8, np.uint8))
