@@ -251,9 +251,9 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
     weights as MXFP6 with element `mxfp6` holds them, when given; the tensors `keep` names
     (`ref.numerics.Record.key`s) left in float32. stop: a list the records go to, and the run
     stops (`_Overflow`) at the first layer call reached once one of them turned non-finite
-    (a plan's pairing reads only the first, its plan growing: each layer's program takes the
-    plan as data, `probe_jit`'s searching); replay: a `layer_replay.Replay` of the last
-    run's layer calls, those that match not run again."""
+    (a plan's pairing reads only the first, its plan growing: a layer's program takes the
+    plan as data once the plan keeps one of its tensors, `probe_jit`); replay: a
+    `layer_replay.Replay` of the last run's layer calls, those that match not run again."""
     spec, names, checkpoint = g.spec, g.spec.weights, g.checkpoint
     records = [] if stop is None else stop
     errors, calls, buffers = {}, [], Buffers()
@@ -289,7 +289,7 @@ def _ref_device(g, feed, precision, exact, store, log, mxfp6, keep=(), stop=None
             weights, stored = _layer_weights(names, checkpoint, module, buffers, precision, mxfp6)
             made, _ = probe_jit(
                 lambda *a: slot.results(list(a))[0], precision, *concrete, *weights,
-                records=records, prefix=path, keep=keep, searching=stop is not None,
+                records=records, prefix=path, keep=keep,
                 stored=range(len(concrete), len(concrete) + stored),
             )  # fmt: skip
             del weights
