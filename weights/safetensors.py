@@ -369,19 +369,21 @@ def read_tensor(
     len(stage) at a time into stage and cast into out (a bfloat16 expert table of 1 GB read
     as float32 through 64 MiB, not through a second buffer of the whole)."""
     dt = _readable(info)
+    if stage is not None and (
+        out is None or stage.dtype != np.uint8 or stage.ndim != 1 or len(stage) < dt.itemsize
+    ):
+        raise ValueError(
+            f"{info.name}: stage {stage.dtype}{list(stage.shape)} needs `out` and one dimension "
+            f"of uint8, at least {dt.itemsize} bytes"
+        )
     if out is not None:
         mapped = False
-        same = out.dtype == dt or (stage is not None and stage.dtype == np.uint8)
+        same = out.dtype == dt or stage is not None
         if not same or out.shape != tuple(info.shape) or not out.flags.c_contiguous:
             raise ValueError(
                 f"{info.name}: out is {out.dtype}{list(out.shape)}, needs a C-contiguous "
                 f"{dt}{list(info.shape)} (another dtype: with a uint8 stage)"
             )
-    if stage is not None and (out is None or len(stage) < dt.itemsize or stage.ndim != 1):
-        raise ValueError(
-            f"{info.name}: stage {stage.dtype}{list(stage.shape)} needs `out` and one dimension "
-            f"of at least {dt.itemsize} bytes"
-        )
     if info.nbytes == 0:
         return np.zeros(info.shape, dt) if out is None else out
     with open_regular(info.file) as f:

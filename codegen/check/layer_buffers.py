@@ -78,8 +78,7 @@ class Buffers:
         out = self.empty(info.shape, dtype)
         if info.np_dtype == out.dtype:
             return checkpoint.read(name, out=out)
-        stage = self.empty((min(STAGE_BYTES, max(info.nbytes, 1)),), np.uint8)
-        return checkpoint.read(name, out=out, stage=stage)
+        return checkpoint.read(name, out=out, stage=self.empty((STAGE_BYTES,), np.uint8))
 
 
 def collected(spec, checkpoint):

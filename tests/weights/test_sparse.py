@@ -107,8 +107,8 @@ def test_a_file_of_holes_only_reads_as_zeros(tmp_path):
 def test_read_through_a_stage_casts_every_element(tmp_path_factory, layout, stage, code):
     """A 16-bit tensor with holes read into float32 through a stage of any length of at least
     one element (not a multiple of the element: the last byte unused): every element equals
-    numpy's cast of the stored values, holes zeros; a stage shorter than an element, or a
-    stage without `out`, is refused naming it."""
+    numpy's cast of the stored values, holes zeros; a stage shorter than an element, not of
+    bytes, or without `out`, is refused naming it."""
     size, written, seed = layout
     dt = numpy_dtype(code)
     values = (np.random.default_rng(seed).standard_normal(2 * size) + 1).astype(dt)
@@ -125,3 +125,5 @@ def test_read_through_a_stage_casts_every_element(tmp_path_factory, layout, stag
         read_tensor(info, out=out, stage=np.empty(1, np.uint8))
     with pytest.raises(ValueError, match="stage uint8\\[8\\] needs `out`"):
         read_tensor(info, stage=np.empty(8, np.uint8))
+    with pytest.raises(ValueError, match="stage float32\\[4\\] needs `out`"):
+        read_tensor(info, out=out, stage=np.empty(4, np.float32))

@@ -134,6 +134,17 @@ def test_read_into_a_wrong_buffer_is_refused(tmp_path):
             ckpt.read("t", out=bad)
 
 
+def test_a_tensor_of_another_type_is_read_whole_or_empty(tmp_path):
+    """bfloat16 tensors read as float32 through the stage: one of no element, and one longer
+    than STAGE_BYTES (made small here) — every element, in the stage's pieces."""
+    big = np.arange(1000, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    ckpt = _checkpoint(tmp_path, [[("empty", np.ones((0, 3), ml_dtypes.bfloat16)), ("big", big)]])
+    with mock.patch.object(layer_buffers, "STAGE_BYTES", 6):
+        buffers = Buffers()
+        assert buffers.read(ckpt, "empty").shape == (0, 3)
+        np.testing.assert_array_equal(buffers.read(ckpt, "big"), big.astype(np.float32))
+
+
 @settings(max_examples=examples(4), deadline=None)  # each drawn shape is a compile
 @given(layers(), st.sampled_from(["float16", "bfloat16"]), st.sampled_from([1.0, 1e-6, 3e4]))
 def test_stored_weights_are_the_checkpoints_values_rounded(tmp_path_factory, drawn, fmt, scale):
