@@ -40,6 +40,8 @@ class Stream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
         if text.endswith("\ufffd") or not text.startswith(self.shown):
             return
+        if self.reply is None and not text.strip():
+            return  # only whitespace yet: held (a row of no text gets `row_text`'s note alone)
         new, self.shown = text[len(self.shown) :], text
         if self.reply is None:
             print(new, end="", flush=True)

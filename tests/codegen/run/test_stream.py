@@ -55,3 +55,11 @@ def test_a_split_stream_prints_each_field_on_its_channel(drawn, data, capsys):
     streamed(text, cuts, split=False)
     plain = capsys.readouterr().out
     assert plain == text + "\n" if text.strip() else plain.startswith("(no text: ")
+
+
+def test_a_row_of_whitespace_prints_the_note_alone(capsys):
+    """Whitespace is held until visible text follows: a row of only whitespace prints
+    `row_text`'s note and nothing before it (a draw of " " once printed " (no text: …)")."""
+    for text, cuts in ((" ", []), ("\n \n", [1, 2])):
+        streamed(text, cuts, split=False)
+        assert capsys.readouterr().out == f"(no text: the {len(cuts) + 1} ids decode to {text!r})\n"
