@@ -210,7 +210,7 @@ class _FirstOverflow:
 
 
 def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep, mxfp6=None,
-                full=None):  # fmt: skip
+                full=None, shared=False):  # fmt: skip
     """The exported graph `model` in the device's format segment by segment (pass 2) on
     `feed`, the node outputs in `keep` (a list, whole-graph names) left in float32; each tensor
     that turns non-finite is appended to `keep`, on_keep(name, op) is told (it may raise to
@@ -218,12 +218,13 @@ def plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
     segments before it are not run again (keeping a later node changes none of their values;
     a body name kept also keeps its node in earlier calls, which ran without it: the whole
     plan is proven again by `verify --precision`); full: `segments.Runner`'s (a set shared
-    by the graph's specializations, or None)
+    by the graph's specializations, or None); shared: the layer calls' tensors from
+    `sessions.shared_arena` (a process that ends after the search)
     → (largest finite |x| left rounded, its name)."""
     sink = _FirstOverflow(keep)
     rewrite = _device_rewrite(checkpoint, precision, mxfp6, keep)
     runner = sg.Runner(model, folder, feed, spec.head, checkpoint, rewrite=rewrite, probe=sink,
-                       full=full)  # fmt: skip
+                       full=full, shared=shared)  # fmt: skip
     try:
         while True:
             try:

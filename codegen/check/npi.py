@@ -23,7 +23,9 @@ written to GRAPH.npi.ref.json (`codegen.check.plan_file`), so that `verify --pre
 keeps the plan in both device models.
 """
 
+import multiprocessing
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 from codegen.check import calibration, mxfp6_weights, plan_file
 from codegen.check.device_graph import (
@@ -38,6 +40,7 @@ from codegen.check.plan_file import SUFFIX, PlanError, write_plan
 from codegen.check.precision import sample_feeds, stored_feed, whole_ref_first
 from codegen.check.verify import opened, way
 from codegen.folder.opened import open_folder
+from codegen.folder.sessions import fix_mmap_threshold
 from codegen.graphs import drawn_feed
 from ref import numerics
 
@@ -163,28 +166,71 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log, ref):
     return keep, found, (ratio, top[1])
 
 
-def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxfp6=None):
+def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxfp6=None,
+                isolate=False):  # fmt: skip
     """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
-    held at a time): the device graph runs segment by segment (`layered_precision.
-    plan_search`), and a segment that makes a non-finite tensor runs again with it kept,
-    the run going on from there → the same (kept names, found rows, headroom). The names
-    one specialization's run found in need of full statistics (a mask's −inf) get them from
-    the start at the next: its first call of each layer function is not run twice."""
-    keep, found, top, full = [], [], (0.0, None), set()
-    for label, feed in feeds:
-
-        def kept(name, op, label=label, feed=feed):
-            if len(keep) > MOST:
-                raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
+    held at a time): the device graph runs segment by segment (`searched`), then `ref`'s
+    side is paired node for node, in the order the search found them (the search does not
+    read the pairing: the same plan, the same pairs as interleaved, and `ref`'s passes run
+    once the search's memory is gone) → the same (kept names, found rows, headroom).
+    isolate: the search in a process of its own (`isolated_search`)."""
+    feeds = list(feeds)
+    if isolate:
+        runs = isolated_search(folder, spec.name, precision, feeds, mxfp6)
+    else:
+        runs = searched(spec, model, folder, checkpoint, precision, feeds, mxfp6)
+    keep, found, top = [], [], (0.0, None)
+    for (label, feed), (kept, peak) in zip(feeds, runs, strict=True):
+        for name, op in kept:
             found.append((label, name, op, ref.pair(label, feed, (name, op))))
+            keep.append(name)
             log(f"{spec.name} {label}: keep {name!r} ({op}) in float32")
-
-        peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, kept, mxfp6,
-                           full)  # fmt: skip
         ref.pair(label, feed)
         top = max(top, peak, key=lambda t: t[0])  # ties: the first
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
     return keep, found, (ratio, top[1])
+
+
+def searched(spec, model, folder, checkpoint, precision, feeds, mxfp6=None, shared=False):
+    """The device graph's plan search over `feeds` [(label, feed)] in turn, segment by
+    segment (`layered_precision.plan_search`: a segment that makes a non-finite tensor runs
+    again with it kept, the run going on from there; each feed starts from the nodes kept
+    before it) → per feed ([(name, op)] kept there, in the order found; (largest finite |x|
+    left rounded, its name)). The names one specialization's run found in need of full
+    statistics (a mask's −inf) get them from the start at the next: its first call of each
+    layer function is not run twice. shared: as `plan_search`'s."""
+    keep, full, runs = [], set(), []
+    for _, feed in feeds:
+        kept = []
+
+        def on_keep(name, op, kept=kept):
+            if len(keep) > MOST:
+                raise PlanError(f"{spec.name}: still non-finite after keeping {MOST} nodes")
+            kept.append((name, op))
+
+        peak = plan_search(spec, model, folder, checkpoint, feed, precision, keep, on_keep,
+                           mxfp6, full, shared)  # fmt: skip
+        runs.append((kept, peak))
+    return runs
+
+
+def isolated_search(folder, graph, precision, feeds, mxfp6=None):
+    """`searched` in a new process (spawned), its segments' tensors from onnxruntime's
+    shared arena (`sessions.shared_arena`), which ends with it: the freed score tiles of a
+    vision layer are reused instead of mapped and zero-filled anew (an E4B vision layer at
+    10,080 patches: 25 s, 12 s of them the kernel's, without it; 13 s with it), and nothing
+    it grew to stays behind for `ref`'s passes."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(_search_child, folder, graph, precision, feeds, mxfp6).result()
+
+
+def _search_child(folder, graph, precision, feeds, mxfp6):
+    """One `isolated_search` process (glibc's mmap threshold fixed from the start, as in
+    `precision._child`)."""
+    fix_mmap_threshold()
+    folder, checkpoint, [(_, spec, model)] = opened(folder, False, [graph])
+    return searched(spec, model, folder, checkpoint, precision, feeds, mxfp6, shared=True)
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
@@ -220,8 +266,9 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
             log(f"{spec.name}: planned layer by layer")
             ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log),
                           every_call(model))  # fmt: skip
+            isolate = way(spec, entry, model, checkpoint) == "layers"  # by size
             keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
-                                                feeds, log, ref, mxfp6)  # fmt: skip
+                                                feeds, log, ref, mxfp6, isolate)  # fmt: skip
         else:
             ref = RefPlan(whole_ref_first(spec, checkpoint, precision, mxfp6), every_call(model))
             device = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
