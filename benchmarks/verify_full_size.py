@@ -13,8 +13,8 @@ the layers `verify` will check by layer function filled too (`checked_layers`). 
     python -m codegen verify OUT
 
 measuring wall seconds and peak memory (the larger of `os.wait4`'s `ru_maxrss` of that one
-process and the summed proportional set size of it and the processes it starts, sampled
-every 0.5 s: `verify --precision` and `--write-npi` run parts in spawned processes) and
+process and the summed resident size of it and the processes it starts, sampled every 0.5 s
+(`tree_rss`): `verify --precision` and `--write-npi` run parts in spawned processes) and
 reading the table's worst relative error per graph and where it was (layer or glue). The
 default run is E2B at seq_len 128 / ctx_len 8192 with the sliding ring (about 15 minutes);
 `--production` uses QEfficient's production shapes (prefill seq_len 1024 in qkv with 8 query
@@ -48,7 +48,13 @@ import onnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from export_weight_free import CONFIGS, child, tree_child, write_sparse_checkpoint  # noqa: E402
+from export_weight_free import (  # noqa: E402
+    CONFIGS,
+    child,
+    tree_child,
+    tree_rss,
+    write_sparse_checkpoint,
+)
 
 sys.path.insert(0, str(ROOT))
 from weights import open_checkpoint  # noqa: E402
@@ -187,7 +193,7 @@ def bench(name, root, args):
         verify += ["--precision", "fp16", "--write-npi"]
     else:
         verify += ["--seed", str(args.seed)] + (["--exhaustive"] if args.exhaustive else [])
-    rc, wall, one, summed = tree_child(verify, log)
+    rc, wall, one, summed = tree_child(verify, log, measure=tree_rss)
     rss = max(one, summed)
     text = log.read_text(errors="replace")
     if args.plan:
