@@ -176,6 +176,7 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
     isolate: the search in a process of its own (`isolated_search`)."""
     feeds = list(feeds)
     if isolate:
+        log(f"{spec.name}: the device graph searched in a process of its own")
         runs = isolated_search(folder, spec.name, precision, feeds, mxfp6)
     else:
         runs = searched(spec, model, folder, checkpoint, precision, feeds, mxfp6)
