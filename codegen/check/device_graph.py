@@ -12,7 +12,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper
 
-from codegen.check import weight_reads
+from codegen.check import select_reads, weight_reads
 from codegen.folder.sessions import session_at
 from ref import numerics
 
@@ -40,10 +40,11 @@ def layer_peaks(records):
     return list(layers.items())
 
 
-def float_tensors(model):
+def float_tensors(model, inferred=None):
     """Names of the float32 tensors of an inlined model: its float inputs, then every node's
-    float outputs in node order (types from ONNX shape inference)."""
-    inferred = onnx.shape_inference.infer_shapes(model)
+    float outputs in node order (types from ONNX shape inference: `inferred`, the model
+    inferred, or inferred here)."""
+    inferred = inferred or onnx.shape_inference.infer_shapes(model)
     typed = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
     typed.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.output})
     inits = {i.name for i in model.graph.initializer}
@@ -182,7 +183,9 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     own outputs only). model: an onnx ModelProto (external data not loaded) → (ModelProto,
     probed tensor names in node order, the names of their scalar outputs)."""
     model = inline(model)
-    inputs, made = float_tensors(model)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    inputs, made = float_tensors(model, inferred)
+    shapes, constants = select_reads.shapes(inferred), select_reads.scalars(model)
     moved = moves(model, inputs, made, keep)
     made = [n for n in made if n not in moved]
     to = _ONNX_TYPES[precision]
@@ -229,6 +232,8 @@ def device_graph(model, precision, keep=frozenset(), stats=True, full=frozenset(
     ordered = weight_reads.gemm_reads(ordered, {o.name for o in graph.output})
     types = {t.name: t.data_type for t in graph.initializer}
     ordered = weight_reads.narrowed_casts(ordered, types, to)
+    ordered, bounds = select_reads.fast_selects(ordered, shapes, constants)
+    graph.initializer.extend(bounds)
     del graph.node[:]
     graph.node.extend(at_first_use(ordered, {t.name for t in graph.initializer}))
     graph.initializer.extend(
