@@ -23,9 +23,7 @@ written to GRAPH.npi.ref.json (`codegen.check.plan_file`), so that `verify --pre
 keeps the plan in both device models.
 """
 
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 
 from codegen.check import calibration, mxfp6_weights, plan_file
 from codegen.check.device_graph import (
@@ -38,9 +36,9 @@ from codegen.check.device_graph import (
 from codegen.check.layered_precision import plan_search, ref_first
 from codegen.check.plan_file import SUFFIX, PlanError, write_plan
 from codegen.check.precision import sample_feeds, stored_feed, whole_ref_first
+from codegen.check.spawned import spawned, to_stderr
 from codegen.check.verify import opened, way
 from codegen.folder.opened import open_folder
-from codegen.folder.sessions import fix_mmap_threshold
 from codegen.graphs import drawn_feed
 from ref import numerics
 
@@ -166,20 +164,30 @@ def plan_graph(entry, spec, model, folder, precision, feeds, log, ref):
     return keep, found, (ratio, top[1])
 
 
-def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxfp6=None,
+def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=None,
                 isolate=False):  # fmt: skip
     """`plan_graph` for a graph checked layer by layer (a released size: one layer's weights
     held at a time): the device graph runs segment by segment (`searched`), then `ref`'s
-    side is paired node for node, in the order the search found them (the search does not
-    read the pairing: the same plan, the same pairs as interleaved, and `ref`'s passes run
-    once the search's memory is gone) → the same (kept names, found rows, headroom).
-    isolate: the search in a process of its own (`isolated_search`)."""
+    side is paired node for node, in the order the search found them (`paired`; the search
+    does not read the pairing: the same plan, the same pairs as interleaved, and `ref`'s
+    passes run once the search's memory is gone) → the same (kept names, found rows,
+    headroom) and where `ref` parted (`RefPlan.parted`). isolate: the search and the pairing
+    each in a process of its own (`spawned.spawned`)."""
     feeds = list(feeds)
     if isolate:
-        log(f"{spec.name}: the device graph searched in a process of its own")
-        runs = isolated_search(folder, spec.name, precision, feeds, mxfp6)
-    else:
-        runs = searched(spec, model, folder, checkpoint, precision, feeds, mxfp6)
+        log(f"{spec.name}: the device graph searched, then paired with ref, each in a "
+            "process of its own")  # fmt: skip
+        runs = spawned(_search_child, folder, spec.name, precision, feeds, mxfp6)
+        return spawned(_pair_child, folder, spec.name, precision, feeds, runs, mxfp6)
+    runs = searched(spec, model, folder, checkpoint, precision, feeds, mxfp6)
+    return paired(spec, model, checkpoint, precision, feeds, runs, log, mxfp6)
+
+
+def paired(spec, model, checkpoint, precision, feeds, runs, log, mxfp6=None):
+    """The plan of `searched`'s `runs` on `feeds`, each node paired with `ref`'s (a `RefPlan`
+    of `layered_precision.ref_first`) → (kept names, found rows, headroom, where `ref`
+    parted or None)."""
+    ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log), every_call(model))
     keep, found, top = [], [], (0.0, None)
     for (label, feed), (kept, peak) in zip(feeds, runs, strict=True):
         for name, op in kept:
@@ -189,7 +197,7 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, ref, mxf
         ref.pair(label, feed)
         top = max(top, peak, key=lambda t: t[0])  # ties: the first
     ratio = numerics.finite_max(precision) / top[0] if top[0] else float("inf")
-    return keep, found, (ratio, top[1])
+    return keep, found, (ratio, top[1]), ref.parted
 
 
 def searched(spec, model, folder, checkpoint, precision, feeds, mxfp6=None, shared=False):
@@ -215,23 +223,22 @@ def searched(spec, model, folder, checkpoint, precision, feeds, mxfp6=None, shar
     return runs
 
 
-def isolated_search(folder, graph, precision, feeds, mxfp6=None):
-    """`searched` in a new process (spawned), its segments' tensors from onnxruntime's
-    shared arena (`sessions.shared_arena`), which ends with it: the freed score tiles of a
-    vision layer are reused instead of mapped and zero-filled anew (an E4B vision layer at
-    10,080 patches: 25 s, 12 s of them the kernel's, without it; 13 s with it), and nothing
-    it grew to stays behind for `ref`'s passes."""
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        return pool.submit(_search_child, folder, graph, precision, feeds, mxfp6).result()
-
-
 def _search_child(folder, graph, precision, feeds, mxfp6):
-    """One `isolated_search` process (glibc's mmap threshold fixed from the start, as in
-    `precision._child`)."""
-    fix_mmap_threshold()
+    """`searched` in a process of its own, its segments' tensors from onnxruntime's shared
+    arena (`sessions.shared_arena`), which ends with it: the freed score tiles of a vision
+    layer are reused instead of mapped and zero-filled anew (an E4B vision layer at 10,080
+    patches: 25 s, 12 s of them the kernel's, without it; 13 s with it), and nothing it grew
+    to stays behind for `ref`'s passes."""
     folder, checkpoint, [(_, spec, model)] = opened(folder, False, [graph])
     return searched(spec, model, folder, checkpoint, precision, feeds, mxfp6, shared=True)
+
+
+def _pair_child(folder, graph, precision, feeds, runs, mxfp6):
+    """`paired` in a process of its own, progress on standard error: XLA's layer programs and
+    their buffers (a 26B-A4B MoE prefill layer: 3.3 GB of weights, 3.9 GB of temporaries)
+    end with it."""
+    folder, checkpoint, [(_, spec, model)] = opened(folder, False, [graph])
+    return paired(spec, model, checkpoint, precision, feeds, runs, to_stderr, mxfp6)
 
 
 def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, graphs=None,
@@ -265,19 +272,19 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
                             "one with audios)")  # fmt: skip
         if way(spec, entry, model, checkpoint, layerwise_given) == "layers":
             log(f"{spec.name}: planned layer by layer")
-            ref = RefPlan(ref_first(spec, model, checkpoint, precision, mxfp6, log),
-                          every_call(model))  # fmt: skip
             isolate = way(spec, entry, model, checkpoint) == "layers"  # by size
-            keep, found, headroom = plan_layers(spec, model, folder, checkpoint, precision,
-                                                feeds, log, ref, mxfp6, isolate)  # fmt: skip
+            keep, found, headroom, parted = plan_layers(
+                spec, model, folder, checkpoint, precision, feeds, log, mxfp6, isolate
+            )
         else:
             ref = RefPlan(whole_ref_first(spec, checkpoint, precision, mxfp6), every_call(model))
             device = mxfp6_weights.stored_model(model, checkpoint, mxfp6)
             keep, found, headroom = plan_graph(entry, spec, device, folder, precision, feeds,
                                                log, ref)  # fmt: skip
-        write_plan(folder, spec.name, model, precision, found, ref.parted)
+            parted = ref.parted
+        write_plan(folder, spec.name, model, precision, found, parted)
         every = {name: plan_file.calls_of(model, name) for name in keep}
-        plans.append((spec.name, keep, found, headroom, ref.parted, every))
+        plans.append((spec.name, keep, found, headroom, parted, every))
     return plans
 
 

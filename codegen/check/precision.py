@@ -14,10 +14,7 @@ cannot prove: that QAIC keeps no op in another precision, or inputs unlike these
 """
 
 import dataclasses
-import multiprocessing
-import sys
 import zlib
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
 import jax
@@ -36,8 +33,8 @@ from codegen.check.device_graph import (
 from codegen.check.layered_precision import precision_specialization
 from codegen.check.layerwise import error
 from codegen.check.plan_file import folder_plan, instances
+from codegen.check.spawned import spawned, to_stderr
 from codegen.check.verify import opened, way
-from codegen.folder.sessions import fix_mmap_threshold
 from ref import numerics
 
 # --- verify --precision ----------------------------------------------------------------------
@@ -70,13 +67,13 @@ def verify_precision(
 
 def isolated(folder, precision, check_shards, graphs, specializations, options, log):
     """`verify_precision` with each graph checked layer by layer because of its size (its
-    float32 weights over `verify.LAYERWISE_BYTES`; its specializations chosen here) in a new
-    process (spawned), so that what its check leaves behind ends with it: onnxruntime's shared
-    arena (pass 2 allocates from it there: `sessions.shared_arena`), XLA's compiled layers, the
-    buffers of the largest layer. Graphs checked whole, and small ones forced layer by layer,
-    run here (a child's imports and compiles cost more than they leave behind)."""
+    float32 weights over `verify.LAYERWISE_BYTES`; its specializations chosen here) in a process
+    of its own (`spawned.spawned`), so that what its check leaves behind ends with it:
+    onnxruntime's shared arena (pass 2 allocates from it there: `sessions.shared_arena`),
+    XLA's compiled layers, the buffers of the largest layer. Graphs checked whole, and small
+    ones forced layer by layer, run here (a child's imports and compiles cost more than they
+    leave behind)."""
     folder, checkpoint, chosen = opened(folder, check_shards, graphs, specializations)
-    spawn = multiprocessing.get_context("spawn")
     results = []
     for entry, spec, model in chosen:
         layered = way(spec, entry, model, checkpoint, options["layerwise_given"]) == "layers"
@@ -85,19 +82,16 @@ def isolated(folder, precision, check_shards, graphs, specializations, options, 
                                 log)  # fmt: skip
             continue
         specs = [s["name"] for s in spec.specializations]
-        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            child = {**options, "layerwise_given": True}  # as chosen here
-            results += pool.submit(_child, folder, precision, entry.name, specs, child).result()
+        child = {**options, "layerwise_given": True}  # as chosen here
+        results += spawned(_child, folder, precision, entry.name, specs, child)
     return results
 
 
 def _child(folder, precision, graph, specializations, options):
-    """One `isolated` process: the graph's check, progress on standard error; glibc's mmap
-    threshold fixed from the start (`sessions.fix_mmap_threshold`), as a process that had
-    opened a session first had it."""
-    fix_mmap_threshold()
+    """One `isolated` process (`spawned.spawned`): the graph's check, progress on standard
+    error."""
     return _checked(*opened(folder, False, [graph], specializations), precision, options,
-                    lambda line: print(line, file=sys.stderr, flush=True), shared=True)  # fmt: skip
+                    to_stderr, shared=True)  # fmt: skip
 
 
 def _checked(folder, checkpoint, chosen, precision, options, log, shared=False):

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from codegen.__main__ import main
-from codegen.check import npi, precision
+from codegen.check import spawned
 from codegen.check import verify as verify_module
 from codegen.check.plan_file import PlanError, read_npi
 from codegen.export.command import ExportOptions, export
@@ -173,8 +173,9 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     onnx's inliner names a layer call's values "…__1" (in the whole graph "…__N"); its plan
     must name each node by its function body's name, as the whole-graph plan does (the
     whole-graph search names them so: the vision test above), and pair it with ref's GELU
-    cube in that layer. Searched again as a graph over the layer-by-layer threshold is (in a
-    spawned process, `npi.isolated_search`), the plan and its pairs are the same. The plan
+    cube in that layer. Planned again as a graph over the layer-by-layer threshold is (the
+    search, then the pairing, each in a spawned process: `npi.plan_layers`), the plan and its
+    pairs are the same. The plan
     is then honoured by a check in a spawned process, as such a graph is checked."""
     t = default_tensors()
     _scaled(t, "model.language_model.embed_tokens.weight", 60)
@@ -192,7 +193,7 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     pools = _counted_pools(monkeypatch)
     assert main([*args, "--write-npi"]) == 0
     capsys.readouterr()
-    assert pools == [1], pools  # the search's child
+    assert pools == [1, 1], pools  # the search's child, then the pairing's
     assert read_npi(out / "decode.npi.yaml", graph) == plan
     assert json.loads((out / "decode.npi.ref.json").read_text()) == paired
     pools.clear()
@@ -210,16 +211,15 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
 
 
 def _counted_pools(monkeypatch):
-    """[processes of each pool `precision.isolated` and `npi.isolated_search` opened], pools
-    counted as they open."""
-    real, pools = precision.ProcessPoolExecutor, []
+    """[processes of each pool `spawned.spawned` opened (`precision.isolated`,
+    `npi.plan_layers`)], pools counted as they open."""
+    real, pools = spawned.ProcessPoolExecutor, []
 
     def counted(n, **kw):
         pools.append(n)
         return real(n, **kw)
 
-    monkeypatch.setattr(precision, "ProcessPoolExecutor", counted)
-    monkeypatch.setattr(npi, "ProcessPoolExecutor", counted)
+    monkeypatch.setattr(spawned, "ProcessPoolExecutor", counted)
     return pools
 
 
