@@ -5,7 +5,8 @@ layers and buffers, glibc's heap) ends with the process, and glibc backs the blo
 transparent huge pages (`glibc.malloc.hugetlb=1`, read by glibc 2.35 and later at start; an
 older one ignores it). Each such block is a fresh mapping the kernel zero-fills page by page;
 in 2 MiB pages a 26B-A4B decode layer of `ref`'s fp16 device model took 0.9 s where it took
-2.1 s (1.2 s of it the kernel's), a prefill layer 4 s where it took 6.5 s."""
+2.1 s (with 2.2 s of system CPU time over the 2 cores), a prefill layer 3.5–4.8 s where it took
+6.5 s (5.9 s of system time)."""
 
 import multiprocessing
 import os
