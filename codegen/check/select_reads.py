@@ -37,10 +37,11 @@ def shapes(inferred):
 
 def scalars(model):
     """{value: float} of the model's one-element float constants (Constant nodes and
-    initializers)."""
+    initializers held in the model: one in a checkpoint's bytes is not read)."""
     out = {}
     for t in model.graph.initializer:
-        if t.data_type == TensorProto.FLOAT and math.prod(t.dims) == 1:
+        inline = t.data_location != TensorProto.EXTERNAL
+        if inline and t.data_type == TensorProto.FLOAT and math.prod(t.dims) == 1:
             out[t.name] = float(numpy_helper.to_array(t).ravel()[0])
     for n in model.graph.node:
         value = next((a.t for a in n.attribute if a.name == "value"), None)

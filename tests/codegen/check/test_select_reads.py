@@ -79,3 +79,20 @@ def test_spread_reads_known_shapes_only():
     assert not spread(("q", "k"), (16, "q", "p"))
     assert not spread((16, "q", "k"), ("q", "k"))
     assert not spread(("q", None), (16, "q", "k")) and not spread(None, (16, 2))
+
+
+def test_scalars_reads_constants_held_in_the_model_only():
+    """A one-element initializer whose bytes are a checkpoint's (external data, here a file
+    that is not there) is not read; Constant nodes and inline initializers are."""
+    from onnx import external_data_helper
+
+    from codegen.check.select_reads import scalars
+
+    outside = helper.make_tensor("w", TensorProto.FLOAT, [1], [2.0])
+    external_data_helper.set_external_data(outside, "absent.safetensors", offset=0, length=4)
+    outside.ClearField("float_data")
+    inside = helper.make_tensor("k", TensorProto.FLOAT, [], [0.5])
+    value = helper.make_tensor("v", TensorProto.FLOAT, [], [-np.inf])
+    fill = helper.make_node("Constant", [], ["s"], value=value)
+    graph = helper.make_graph([fill], "g", [], [], initializer=[outside, inside])
+    assert scalars(helper.make_model(graph)) == {"k": 0.5, "s": -np.inf}
