@@ -88,9 +88,10 @@ def test_scalars_reads_constants_held_in_the_model_only():
 
     from codegen.check.select_reads import scalars
 
-    outside = helper.make_tensor("w", TensorProto.FLOAT, [1], [2.0])
+    outside = helper.make_tensor("w", TensorProto.FLOAT, [1], np.float32([2]).tobytes(), raw=True)
     external_data_helper.set_external_data(outside, "absent.safetensors", offset=0, length=4)
-    outside.ClearField("float_data")
+    outside.ClearField("raw_data")
+    outside.data_location = TensorProto.EXTERNAL
     inside = helper.make_tensor("k", TensorProto.FLOAT, [], [0.5])
     value = helper.make_tensor("v", TensorProto.FLOAT, [], [-np.inf])
     fill = helper.make_node("Constant", [], ["s"], value=value)
