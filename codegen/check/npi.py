@@ -33,6 +33,7 @@ from codegen.check.device_graph import (
     inline,
     stats_of,
 )
+from codegen.check.layer_buffers import float32_bytes
 from codegen.check.layered_precision import plan_search, ref_first
 from codegen.check.plan_file import SUFFIX, PlanError, write_plan
 from codegen.check.precision import sample_feeds, stored_feed, whole_ref_first
@@ -177,8 +178,10 @@ def plan_layers(spec, model, folder, checkpoint, precision, feeds, log, mxfp6=No
     if isolate:
         log(f"{spec.name}: the device graph searched, then paired with ref, each in a "
             "process of its own")  # fmt: skip
-        runs = spawned(_search_child, folder, spec.name, precision, feeds, mxfp6)
-        return spawned(_pair_child, folder, spec.name, precision, feeds, runs, mxfp6)
+        size = float32_bytes(spec, checkpoint)
+        runs = spawned(_search_child, folder, spec.name, precision, feeds, mxfp6, weights=size)
+        return spawned(_pair_child, folder, spec.name, precision, feeds, runs, mxfp6,
+                       weights=size)  # fmt: skip
     runs = searched(spec, model, folder, checkpoint, precision, feeds, mxfp6)
     return paired(spec, model, checkpoint, precision, feeds, runs, log, mxfp6)
 

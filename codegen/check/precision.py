@@ -30,6 +30,7 @@ from codegen.check.device_graph import (
     layer_peaks,
     stats_of,
 )
+from codegen.check.layer_buffers import float32_bytes
 from codegen.check.layered_precision import precision_specialization
 from codegen.check.layerwise import error
 from codegen.check.plan_file import folder_plan, instances
@@ -83,7 +84,8 @@ def isolated(folder, precision, check_shards, graphs, specializations, options, 
             continue
         specs = [s["name"] for s in spec.specializations]
         child = {**options, "layerwise_given": True}  # as chosen here
-        results += spawned(_child, folder, precision, entry.name, specs, child)
+        results += spawned(_child, folder, precision, entry.name, specs, child,
+                           weights=float32_bytes(spec, checkpoint))  # fmt: skip
     return results
 
 

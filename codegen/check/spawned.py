@@ -1,6 +1,7 @@
 """A check's work in a process of its own (spawned), for a graph checked layer by layer
 because of its size: what the work leaves behind (onnxruntime's shared arena, XLA's compiled
-layers and buffers, glibc's heap) ends with the process, and glibc backs the blocks it maps
+layers and buffers, glibc's heap) ends with the process, and, for a graph of HUGE_BYTES of
+weights or more, glibc backs the blocks it maps
 (every block of `sessions.MMAP_BYTES` or more: a layer's weights, XLA's temporaries) with
 transparent huge pages (`glibc.malloc.hugetlb=1`, read by glibc 2.35 and later at start; an
 older one ignores it). Each such block is a fresh mapping the kernel zero-fills page by page;
@@ -8,21 +9,27 @@ in 2 MiB pages a 26B-A4B decode layer of `ref`'s fp16 device model took 0.9 s wh
 2.1 s (with 2.2 s of system CPU time over the 2 cores), a prefill layer 3.5–4.8 s where it took
 6.5 s (5.9 s of system time)."""
 
+import contextlib
 import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 
 from codegen.folder.sessions import fix_mmap_threshold
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+# float32 weight bytes from which a graph's child gets huge pages: below, a child's small
+# blocks cost more in 2 MiB pages than they save (the test suite's tiny graphs: the layer-by-
+# layer plan test 45 → 52 s with them)
+HUGE_BYTES = 1 << 30
 
 
-def spawned(fn, *args):
-    """fn(*args) (picklable, as `args` are) in a new spawned process → its result."""
+def spawned(fn, *args, weights=0):
+    """fn(*args) (picklable, as `args` are) in a new spawned process → its result; in huge
+    pages when the graph's float32 `weights` bytes are HUGE_BYTES or more."""
     spawn = multiprocessing.get_context("spawn")
-    with huge_pages(), ProcessPoolExecutor(1, mp_context=spawn) as pool:
+    pages = huge_pages() if weights >= HUGE_BYTES else contextlib.nullcontext()
+    with pages, ProcessPoolExecutor(1, mp_context=spawn) as pool:
         return pool.submit(_entered, fn, args).result()
 
 
@@ -38,7 +45,7 @@ def to_stderr(line):
     print(line, file=sys.stderr, flush=True)
 
 
-@contextmanager
+@contextlib.contextmanager
 def huge_pages():
     """GLIBC_TUNABLES with HUGE_PAGES added while the block runs (a process started in it
     reads it; a hugetlb setting already there is left as it is), restored after."""

@@ -7,7 +7,9 @@ nodes as the file compile.sh compiles holds them, and one naming a node the grap
 have is refused."""
 
 import json
+import os
 import re
+import types
 
 import ml_dtypes
 import numpy as np
@@ -298,3 +300,36 @@ def test_a_body_name_keeps_its_node_in_every_call_as_the_inliner_names_them():
     assert spread("F/sq", "layers.5.mlp:mul#0") == want
     assert spread("sum", "layers.5.mlp:add#0") == ["layers.5.mlp:add#0"]  # top level: itself
     assert spread("F/sq", "layers.4.mlp:mul#0") == ["layers.4.mlp:mul#0"]  # not F's layer
+
+
+def test_huge_pages_are_asked_of_a_large_graphs_child_only(monkeypatch):
+    """`spawned.spawned` starts a child with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES
+    (kept beside what is there; a hugetlb setting already there wins) for a graph of
+    HUGE_BYTES of float32 weights or more, and leaves the environment as it was after."""
+    seen = []
+
+    class Pool:
+        def __init__(self, n, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            seen.append(os.environ.get("GLIBC_TUNABLES"))
+            return types.SimpleNamespace(result=lambda: "done")
+
+    monkeypatch.setattr(spawned, "ProcessPoolExecutor", Pool)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert spawned.spawned(print, weights=spawned.HUGE_BYTES - 1) == "done"
+    assert spawned.spawned(print, weights=spawned.HUGE_BYTES) == "done"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    spawned.spawned(print, weights=spawned.HUGE_BYTES)
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    spawned.spawned(print, weights=spawned.HUGE_BYTES)
+    huge = "glibc.malloc.hugetlb=1"
+    assert seen == [None, huge, f"glibc.malloc.arena_max=2:{huge}", "glibc.malloc.hugetlb=0"]
