@@ -1,13 +1,13 @@
 """A check's work in a process of its own (spawned), for a graph checked layer by layer
 because of its size: what the work leaves behind (onnxruntime's shared arena, XLA's compiled
 layers and buffers, glibc's heap) ends with the process, and, for a graph of HUGE_BYTES of
-weights or more, glibc backs the blocks it maps
-(every block of `sessions.MMAP_BYTES` or more: a layer's weights, XLA's temporaries) with
-transparent huge pages (`glibc.malloc.hugetlb=1`, read by glibc 2.35 and later at start; an
-older one ignores it). Each such block is a fresh mapping the kernel zero-fills page by page;
-in 2 MiB pages a 26B-A4B decode layer of `ref`'s fp16 device model took 0.9 s where it took
-2.1 s (with 2.2 s of system CPU time over the 2 cores), a prefill layer 3.5–4.8 s where it took
-6.5 s (5.9 s of system time)."""
+weights or more, glibc backs the blocks it maps (every block of `sessions.MMAP_BYTES` or
+more: a layer's weights, XLA's temporaries) with transparent huge pages
+(`glibc.malloc.hugetlb=1`, read by glibc 2.35 and later at start; an older one ignores it).
+Each such block is a fresh mapping the kernel zero-fills page by page; in 2 MiB pages a
+26B-A4B decode layer of `ref`'s fp16 device model took 0.9 s where it took 2.1 s (with 2.2 s
+of system CPU time over the 2 cores), a prefill layer 3.5–4.8 s where it took 6.5 s (5.9 s
+of system time)."""
 
 import contextlib
 import multiprocessing

@@ -177,8 +177,8 @@ def test_a_plan_made_layer_by_layer_names_the_whole_graphs_nodes(tmp_path, capsy
     whole-graph search names them so: the vision test above), and pair it with ref's GELU
     cube in that layer. Planned again as a graph over the layer-by-layer threshold is (the
     search, then the pairing, each in a spawned process: `npi.plan_layers`), the plan and its
-    pairs are the same. The plan
-    is then honoured by a check in a spawned process, as such a graph is checked."""
+    pairs are the same. The plan is then honoured by a check in a spawned process, as such a
+    graph is checked."""
     t = default_tensors()
     _scaled(t, "model.language_model.embed_tokens.weight", 60)
     save_checkpoint(tmp_path / "ckpt", DEFAULT_CONFIG, t)
