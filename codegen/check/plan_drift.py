@@ -57,12 +57,12 @@ def device_runner(folder, precision, plan):
     device model with `plan` kept float32, the number of node results it keeps: a body
     name's in every call)."""
     runner, count = Runner(folder, check_shards=False), 0
-    for kind in list(runner.sessions):
+    for kind in list(runner.programs):
         entry, model = _graph(runner, kind)
         kept = instances(model, plan.get(kind, ()))
         device, _, _ = device_graph(model, precision, kept, stats=False)
         path = os.path.join(runner.folder, f".drift.{entry.name}.onnx")
-        runner.sessions[kind] = session_at(device, path)
+        runner.programs[kind].session = session_at(device, path)
         count += len(kept)
     return runner, count
 

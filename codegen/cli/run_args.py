@@ -240,6 +240,12 @@ def _generation_arguments(parser):
         "tokens",
     )
     parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print to stderr the bytes that crossed between host and device, per kind of call "
+        "(in and out: KV cache, logits, other), per request and per generated token",
+    )
+    parser.add_argument(
         "--no-speculate",
         dest="speculate",
         action="store_false",

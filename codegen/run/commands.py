@@ -230,15 +230,24 @@ def main(args):
         sampling=sampling,
         emit=stream,
     )
-    for row in tokens:
-        # the stop ids generation used (--ignore-eos: none, so nothing is cut)
-        row = unpadded(row, runner.stop if stop is None else stop)
+    # the stop ids generation used (--ignore-eos: none, so nothing is cut)
+    rows = [unpadded(row, runner.stop if stop is None else stop) for row in tokens]
+    for row in rows:
         if stream is not None:
             stream.finish(row)
         elif tokenizer is not None:
             print(row_text(tokenizer, row))
         print(",".join(str(int(t)) for t in row))
+    print_stats(args, runner, rows)
     return 0
+
+
+def print_stats(args, runner, rows):
+    """With --stats, the runner's host↔device bytes (`codegen.run.device.Transfers.table`) on
+    stderr, per request (a row) and per generated token of `rows`."""
+    if getattr(args, "stats", False):
+        lines = runner.transfers.table(len(rows), sum(len(r) for r in rows))
+        print("\n".join(["bytes between host and device:", *lines]), file=sys.stderr)
 
 
 def unpadded(row, stop):
@@ -359,4 +368,5 @@ def serve_main(args):
             text = tokenizer.decode([int(t) for t in row], skip_special_tokens=False)
             print(f"request {i} reply: " + json.dumps(split(text), ensure_ascii=False))
         print(f"request {i}: " + ",".join(str(int(t)) for t in row))
+    print_stats(args, runner, tokens)
     return 0

@@ -5,8 +5,14 @@ the QAIC runtime drives the compiled programs (QEfficient's `kv_offload_generate
    largest exported budget allows;
 2. `prefill` chunk by chunk at the compiled `seq_len` (the last chunk padded with position −1),
    each chunk given the soft tokens of its own image runs as `vision_embeds` at the least
-   budget that holds them (`image_idx` 0), every `*_RetainedState` fed back as the cache;
-3. `decode` one token at a time, every `*_RetainedState` fed back.
+   budget that holds them (`image_idx` 0);
+3. `decode` one token at a time.
+
+Each graph is a compiled program held to the device's rules (`codegen.run.device.Program`):
+it runs only at its specializations' shapes, and its KV cache is retained state it keeps.
+Where the cache's next reader is another program (a `prefill` and a `decode` graph compile to
+two), the cache is handed over whole through the host (`_hand_to`), and every byte is counted
+(`transfers`).
 
 A graph exported with compute context lengths (`--comp-ctx-lengths-prefill/-decode`) is fed,
 at each prefill chunk and decode step, `comp_ctx_lengths` of the least length above every
@@ -29,6 +35,7 @@ import numpy as np
 from codegen.folder.opened import open_folder
 from codegen.folder.sessions import open_session
 from codegen.run import audio, speculation, unified
+from codegen.run.device import Program, Transfers
 from codegen.run.errors import RunError
 from codegen.run.slots import Request, serve, slot_column
 from codegen.run.vision import Vision
@@ -47,6 +54,18 @@ def ccl_for(ccls, position_ids):
     if not above:
         raise RunError(f"position {top}: no compute context length above it in {list(ccls)}")
     return above[0]
+
+
+def _kv_dtype(manifest):
+    """The KV format an export's custom_io.yaml gives its retained state."""
+    return manifest.options.get("kv_dtype", "float16")
+
+
+def _program(entry, home, transfers):
+    """The `Program` of manifest `entry` whose graph is in `home` (folder, checkpoint, KV
+    format), counting into `transfers`."""
+    folder, checkpoint, kv_dtype = home
+    return Program(entry.name, entry, open_session(entry, folder, checkpoint), transfers, kv_dtype)
 
 
 class Runner:
@@ -70,7 +89,8 @@ class Runner:
         self.folder, manifest = self.export.folder, self.export.manifest
         graphs = {unified.ROLES.get(g.kind, g.kind): g for g in manifest.graphs}
         self.checkpoint = self.export.checkpoint
-        homes = {kind: (self.folder, self.checkpoint) for kind in graphs}
+        # kind → (folder, checkpoint, the KV format its program keeps the cache in)
+        homes = {kind: (self.folder, self.checkpoint, _kv_dtype(manifest)) for kind in graphs}
         if decode_folder is not None:
             decoding_side = open_folder(decode_folder, check_shards=check_shards)
             decode_folder, other = decoding_side.folder, decoding_side.manifest
@@ -84,7 +104,7 @@ class Runner:
                     "the same model, batch, ctx_len and cache options (an --assistant's K "
                     "sizes the sliding ring: give both sides the same)"
                 )
-            home = (decode_folder, decoding_side.checkpoint)
+            home = (decode_folder, decoding_side.checkpoint, _kv_dtype(other))
             graphs["decode"], homes["decode"] = entry, home
             for g in other.graphs:  # the decode side's speculate graph (its --assistant)
                 if g.kind == "speculate":
@@ -97,19 +117,21 @@ class Runner:
             )
         self.text = any_text_config(self.checkpoint.config)
         self.entries = graphs
-        self.sessions = {
-            kind: open_session(graphs[kind], *homes[kind])
+        self.transfers = Transfers()
+        self.programs = {
+            kind: _program(graphs[kind], homes[kind], self.transfers)
             for kind in ("vision", "audio", "prefill", "decode", "speculate")
             if kind in graphs and (kind != "speculate" or speculate)
         }
+        self.holder = None  # the kind whose program holds the live KV cache (None: none yet)
         # an export with an MTP assistant: K drafts a round (0: decode one token a call)
-        self.drafts = graphs["speculate"].options["drafts"] if "speculate" in self.sessions else 0
+        self.drafts = graphs["speculate"].options["drafts"] if "speculate" in self.programs else 0
         o = graphs["prefill"].options
         self.batch, self.seq_len, self.ctx_len = o["batch_size"], o["seq_len"], o["ctx_len"]
         self.budgets = sorted(o["budgets"])
         self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
         # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
-        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in self.sessions
+        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in self.programs
                      if k not in ("vision", "audio")}  # fmt: skip
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
         # the checkpoint's generation_config.json (copied into the export), else config.json
@@ -164,14 +186,14 @@ class Runner:
         if self.drafts:
             log("sampling: the decode graph, a token per call (speculation is greedy here)")
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
-        caches = self.empty_caches("prefill")
-        caches, logits = self.prefill(rows, list(images), caches, None, log, audios)
+        self.start()
+        logits = self.prefill(rows, list(images), None, log, audios)
         tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
         position = np.array([len(r) for r in rows], np.int32)
         for n in range(1, max_new_tokens):
             if stopper.done:
                 break
-            caches, logits = self.decode(caches, tokens[-1], position, None)
+            logits = self.decode(tokens[-1], position, None)
             tokens.append(self._emit(stopper, decoding.choose(logits, sampling, n), emit))
             position = position + 1
             log(f"decode step {n + 1}/{max_new_tokens}{self.ccl_note('decode')}")
@@ -196,12 +218,18 @@ class Runner:
         → (tokens per request, timeline: one line per step)."""
         return serve(self, requests, log=log, stop=stop, emit=emit)
 
-    def prefill(self, rows, images, caches, slots, log, audios=()):
+    def start(self):
+        """A new batch of sequences: no cache the next call reads yet (the programs' state as
+        it is: a sequence starting at position 0 reads none of a former one's keys, and
+        `ring_positions` marks a ring's slots empty), so no handoff before it."""
+        self.holder = None
+
+    def prefill(self, rows, images, slots, log, audios=()):
         """Chunked prefill of rows (≤ batch_size token-id arrays [L_i]) into their cache rows,
-        or into `slots` (a slot per row) with continuous batching → (caches, [rows, V] logits
-        of each row's last prompt token). images: (patches, (h, w)) per image run of the rows,
-        in order; caches: {name: array} as `empty_caches` gives them; audios: the clips of
-        the rows' audio runs, in order (`generate`, `serve`), through the audio graph
+        or into `slots` (a slot per row) with continuous batching → [rows, V] logits of each
+        row's last prompt token. images: (patches, (h, w)) per image run of the rows, in
+        order; audios: the clips of the rows' audio runs, in order (`generate`, `serve`),
+        through the audio graph
         (`codegen.run.audio`), their soft tokens in the rows' streams.
 
         Each chunk gets the soft tokens of its own vision runs (`_window`, image_idx 0), so a
@@ -241,19 +269,18 @@ class Runner:
                     f"by chunk, not by budget); the largest vision budget is {most}: export "
                     f"with --seq-len {most} or less, or a larger budget"
                 )
-            feed = {"input_ids": ids, "position_ids": pos, **caches}
+            feed = {"input_ids": ids, "position_ids": pos}
             if streams is not None:
                 feed.update(self._window(streams, offsets, counts))
                 offsets += counts
             if slots is not None:
                 feed["batch_index"] = slot_column(slots, self.batch)
             out = self._run("prefill", feed)
-            caches = self._retained(out, caches)
             for i, bounds in enumerate(schedule):
                 if k == len(bounds) - 1:
                     last[i] = out["logits"][i, 0]
             log(f"prefill chunk {k + 1}/{chunks}{self.ccl_note('prefill')}")
-        return caches, np.stack(last)
+        return np.stack(last)
 
     def _window(self, streams, offsets, counts):
         """One chunk's vision inputs: each row's next `counts` soft tokens of its stream from
@@ -265,33 +292,30 @@ class Runner:
             out[i, : counts[i]] = stream[offsets[i] : offsets[i] + counts[i]]
         return {"vision_embeds": out, "image_idx": np.zeros((self.batch, 1), np.int32)}
 
-    def decode(self, caches, token, position, slots):
+    def decode(self, token, position, slots):
         """One decode step: token [n] ids at position [n] (−1: a free row), in rows 0..n−1 of the
-        cache, or with `slots` ([n] slot per row) in those slots → (caches, [n, V] logits)."""
+        cache, or with `slots` ([n] slot per row) in those slots → [n, V] logits."""
         n = len(token)
         rows = self.batch if self.slots is None else self.slots
         ids = np.zeros((rows, 1), np.int32)
         pos = np.full((rows, 1), -1, np.int32)
         ids[:n, 0], pos[:n, 0] = token, position
-        feed = {"input_ids": ids, "position_ids": pos, **caches}
+        feed = {"input_ids": ids, "position_ids": pos}
         if slots is not None:
             feed["batch_index"] = slot_column(slots, rows)
-        out = self._run("decode", feed)
-        return self._retained(out, caches), out["logits"][:n, 0]
+        return self._run("decode", feed)["logits"][:n, 0]
 
-    def speculate(self, caches, token, position, drafts, slots):
+    def speculate(self, token, position, drafts, slots):
         """One round of the speculate graph: token [n] with drafts [n, K] at position [n] (P;
         −1: a free row), in rows 0..n−1 of the cache, or with `slots` in those slots →
-        (caches, {"tokens" [n, K + 1], "accepted" [n], "drafts" [n, K]})."""
+        {"tokens" [n, K + 1], "accepted" [n], "drafts" [n, K]}."""
         rows = self.batch if self.slots is None else self.slots
         ids, pos = speculation.round_feed(token, position, drafts, rows, self.ctx_len)
-        feed = {"input_ids": ids, "position_ids": pos, **caches}
+        feed = {"input_ids": ids, "position_ids": pos}
         if slots is not None:
             feed["batch_index"] = slot_column(slots, rows)
         out = self._run("speculate", feed)
-        n = len(token)
-        return self._retained(out, caches), {k: out[k][:n] for k in ("tokens", "accepted",
-                                                                     "drafts")}  # fmt: skip
+        return {k: out[k][: len(token)] for k in ("tokens", "accepted", "drafts")}
 
     def check(self, rows, max_new_tokens, what="row"):
         """Refuse (RunError) rows (token-id arrays [L]) the graphs cannot take: more than
@@ -326,15 +350,8 @@ class Runner:
             self.budgets,
             self.text.hidden_size,
             takes_images="vision_embeds" in {t.name for t in self.entries["prefill"].inputs},
-            run=functools.partial(self._run, "vision") if "vision" in self.sessions else None,
+            run=functools.partial(self._run, "vision") if "vision" in self.programs else None,
         )
-
-    def empty_caches(self, kind):
-        """The cache `kind`'s graph starts from: {retained input: zeros of its shape}."""
-        entry = self.entries[kind]
-        retained = {pair[0] for pair in entry.retained_state}
-        shapes = entry.shapes(entry.specializations[0]["name"])
-        return {n: np.zeros(s, np.float32) for n, s in shapes.items() if n in retained}
 
     def ccl_note(self, kind):
         """ ", comp_ctx_lengths K" of the last call of `kind` when it took one, else ""."""
@@ -343,19 +360,25 @@ class Runner:
         return f", comp_ctx_lengths {next(k for g, k in reversed(self.ccl_steps) if g == kind)}"
 
     def _run(self, kind, feed):
-        """One call of `kind`'s graph → {output name: array}; a graph with compute context
-        lengths is also fed `comp_ctx_lengths` [K], K = `ccl_for` its positions (recorded in
-        `ccl_steps`)."""
+        """One call of `kind`'s program on `feed` (no retained state: the program keeps it)
+        → {output name: array} but the retained state; a graph with compute context lengths
+        is also fed `comp_ctx_lengths` [K], K = `ccl_for` its positions (recorded in
+        `ccl_steps`). `on_call` is told the whole feed, the program's state included."""
         if self.ccls.get(kind):
             k = ccl_for(self.ccls[kind], feed["position_ids"])
             feed = {**feed, "comp_ctx_lengths": np.zeros(k, np.int64)}
             self.ccl_steps.append((kind, k))
-        self.on_call(kind, feed)
-        session = self.sessions[kind]
-        names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(None, feed), strict=True))
+        program = self.programs[kind]
+        if program.retained:
+            self._hand_to(kind)
+        return program.run(kind, feed, observe=lambda whole: self.on_call(kind, whole))
 
-    @staticmethod
-    def _retained(out, caches):
-        """The next cache: each cache input's `*_RetainedState` output."""
-        return {n: out[n + "_RetainedState"] for n in caches}
+    def _hand_to(self, kind):
+        """Make `kind`'s program hold the live KV cache: when another program holds it (a
+        prefill and a decode graph are two programs), the whole cache crosses the host, out of
+        that program and into this one (the handoff QEfficient's split programs make)."""
+        here, there = self.programs[kind], self.programs.get(self.holder)
+        if there is not None and there is not here:
+            call = f"handoff {self.holder}→{kind}"
+            here.write_state(call, there.read_state(call))
+        self.holder = kind

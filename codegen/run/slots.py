@@ -39,7 +39,7 @@ def slot_column(slots, rows):
 
 def serve(runner, requests, *, log=None, stop=None, emit=None):
     """Continuous batching of `requests` over `runner`'s slots (see `Runner.serve`), through its
-    steps: `check`, `empty_caches`, `prefill` (rows into the given slots → [rows, V] logits),
+    steps: `check`, `start`, `prefill` (rows into the given slots → [rows, V] logits),
     `decode` (every slot, position −1 where free → [slots, V] logits) and `ccl_note`.
     → (tokens per request, timeline: one line per step)."""
     log = log or (lambda msg: None)
@@ -49,7 +49,7 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
         raise RunError(f"{runner.folder}: serving needs an export with --full-batch-size")
     for i, r in enumerate(requests):
         runner.check([r.ids], r.max_new_tokens, what=f"request {i}")
-    caches = runner.empty_caches("decode")
+    runner.start()
     # speculation (an export with an assistant) when every request is greedy
     greedy = all(r.sampling is None for r in requests)
     spec = Slots(runner.slots, runner.drafts, runner.pad) if runner.drafts and greedy else None
@@ -67,7 +67,7 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
             rows = [requests[r].ids for r in group]
             images = [img for r in group for img in requests[r].images]
             audios = [clip for r in group for clip in requests[r].audios]
-            caches, logits = runner.prefill(rows, images, caches, slots, log, audios)
+            logits = runner.prefill(rows, images, slots, log, audios)
             for r, s, row_logits in zip(group, slots, logits, strict=True):
                 waiting.remove(r)
                 token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
@@ -79,14 +79,14 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
                 events.append(f"request {r} joins slot {s}")
         decoding_now = [r for r in slot_of if not _finished(requests[r], tokens[r], stop)]
         if decoding_now and spec is not None:
-            caches = _round(runner, spec, caches, requests, decoding_now, slot_of, position,
-                            last, tokens, stop, emit, events)  # fmt: skip
+            _round(runner, spec, requests, decoding_now, slot_of, position, last, tokens, stop,
+                   emit, events)  # fmt: skip
         elif decoding_now:
             pos = np.full(runner.slots, -1, np.int32)
             for r in decoding_now:
                 pos[slot_of[r]] = position[r]
                 position[r] += 1
-            caches, logits = runner.decode(caches, last, pos, np.arange(runner.slots))
+            logits = runner.decode(last, pos, np.arange(runner.slots))
             for r in decoding_now:
                 s = slot_of[r]
                 n, row = len(tokens[r]), requests[r].row
@@ -106,15 +106,14 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
     return [np.array(tokens[r]) for r in range(len(requests))], timeline
 
 
-def _round(runner, spec, caches, requests, live, slot_of, position, last, tokens, stop, emit,
-           events):  # fmt: skip
+def _round(runner, spec, requests, live, slot_of, position, last, tokens, stop, emit, events):
     """One speculate call over every slot, the `live` requests' rounds in it: each request's
     emitted tokens appended up to its first stop id or its max_new_tokens (the rest of a round
-    after them dropped), its last token and position moved on → caches."""
+    after them dropped), its last token and position moved on."""
     pos = np.full(runner.slots, -1, np.int32)
     for r in live:
         pos[slot_of[r]] = position[r]
-    caches, emitted = spec.round(runner, caches, last, pos)
+    emitted = spec.round(runner, last, pos)
     for r in live:
         s = slot_of[r]
         for token in emitted[s]:
@@ -127,7 +126,6 @@ def _round(runner, spec, caches, requests, live, slot_of, position, last, tokens
     counts = {slot_of[r]: len(emitted[slot_of[r]]) for r in live}
     events.append(f"speculate slots {dict(sorted(counts.items()))} (tokens each)"
                   f"{runner.ccl_note('speculate')}")  # fmt: skip
-    return caches
 
 
 def _finished(request, tokens, stop):

@@ -32,8 +32,8 @@ def generate(runner, rows, images, audios, *, max_new_tokens, log, stop, emit):
     `Runner.generate`), each round one `speculate` call; each row's speculation logged in a
     line (`speculative.report`)."""
     stop = runner.stop if stop is None else stop
-    caches = runner.empty_caches("prefill")
-    caches, logits = runner.prefill(rows, list(images), caches, None, log, audios)
+    runner.start()
+    logits = runner.prefill(rows, list(images), None, log, audios)
     rounds = []
     state = speculative.Rows(logits, [len(r) for r in rows], stop, max_new_tokens, runner.pad,
                              runner.drafts, rounds)  # fmt: skip
@@ -43,7 +43,7 @@ def generate(runner, rows, images, audios, *, max_new_tokens, log, stop, emit):
     while not state.done.all():
         before = [len(r) for r in state.rows]
         position = state.positions()[:, 0]
-        caches, out = runner.speculate(caches, state.token, position, drafts, None)
+        out = runner.speculate(state.token, position, drafts, None)
         state.add_round(out["tokens"], out["accepted"])
         n, drafts = out["accepted"], out["drafts"]
         for r, new in state.emitted_since(before).items():
@@ -71,17 +71,17 @@ class Slots:
         self.drafts[slot] = self.pad
         self.rounds[slot] = []
 
-    def round(self, runner, caches, last, positions):
+    def round(self, runner, last, positions):
         """One round over every slot (positions [slots]: P, −1 for a free or finished slot)
-        → (caches, {slot: its emitted tokens} of the slots with a position)."""
-        caches, out = runner.speculate(caches, last, positions, self.drafts, np.arange(len(last)))
+        → {slot: its emitted tokens} of the slots with a position."""
+        out = runner.speculate(last, positions, self.drafts, np.arange(len(last)))
         self.drafts = np.array(out["drafts"], np.int32)
         emitted = {}
         for s in np.flatnonzero(positions >= 0):
             n = int(out["accepted"][s])
             emitted[int(s)] = [int(t) for t in out["tokens"][s, : n + 1]]
             self.rounds[int(s)].append((self.k, n))
-        return caches, emitted
+        return emitted
 
     def report(self, slot, emitted):
         """The slot's request's speculation in a line (`speculative.report`)."""

@@ -243,3 +243,60 @@ def test_sampled_rows_draw_as_their_rows_do_without_slots(served):
     assert (rows[0] != rows[1]).any()
     alone, _ = runner.serve([Request(ids, [], 6, sampling=hot)], stop=())
     np.testing.assert_array_equal(rows[0], alone[0])
+
+
+def test_kv_crosses_the_host_only_in_declared_handoffs(served, capsys):
+    """The device's rules (`codegen.run.device`): with requests arriving mid-decode over 3
+    slots, the KV cache crosses the host only when another program reads it next (prefill and
+    decode are two programs here), whole, once out and once in; every other call moves ids,
+    positions and logits only. `serve --stats` prints the table."""
+    _, runner = served
+    rng = np.random.default_rng(21)
+    requests = [Request(prompt(rng, n, [], 96), [], 5, arrival=a)
+                for n, a in ((6, 0), (9, 0), (4, 2), (7, 3), (5, 3))]  # fmt: skip
+    order = []
+    runner.on_call = lambda kind, feed: order.append(kind)
+    runner.transfers.moved.clear()
+    runner.transfers.calls.clear()
+    try:
+        runner.serve(requests, stop=())
+    finally:
+        runner.on_call = lambda kind, feed: None
+    moved = runner.transfers.moved
+    switches = sum(a != b for a, b in zip(order, order[1:], strict=False))
+    state = runner.programs["decode"].state
+    whole = sum(x.size for x in state.values()) * 2  # float16 KV (custom_io.yaml)
+    handoffs = {c: n for c, n in runner.transfers.calls.items() if c.startswith("handoff")}
+    assert sum(handoffs.values()) == switches > 2, (order, handoffs)
+    assert {c for (c, _, w) in moved if w == "kv"} == set(handoffs)
+    assert runner.transfers.total("kv", "in") == runner.transfers.total("kv", "out")
+    assert runner.transfers.total("kv", "out") == switches * whole
+    logits = runner.text.vocab_size * 4
+    assert moved[("decode", "out", "logits")] == runner.transfers.calls["decode"] * SLOTS * logits
+    path = Path(runner.folder).parent / "device-rules.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_ids": [int(t) for t in r.ids],
+                                          "max_new_tokens": 3, "arrival": r.arrival})
+                              for r in requests[:3]))  # fmt: skip
+    assert main(["serve", str(runner.folder), "--requests", str(path), "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "bytes between host and device:" in err and "handoff decode→prefill" in err, err
+    assert "per generated token" in err
+
+
+def test_a_program_refuses_what_the_device_would(served):
+    """A program runs only at its specializations' shapes (the message names them), and its
+    retained state is its own: fed as a call's input, it is refused."""
+    _, runner = served
+    decode = runner.programs["decode"]
+    feed = {"input_ids": np.zeros((SLOTS - 1, 1), np.int32),
+            "position_ids": np.zeros((SLOTS - 1, 1), np.int32),
+            "batch_index": np.zeros((SLOTS - 1, 1), np.int32)}  # fmt: skip
+    with pytest.raises(RunError, match=r"no specialization takes .*input_ids': \(2, 1\).*"
+                       r"it has decode: .*input_ids': \(3, 1\)"):  # fmt: skip
+        decode.run("decode", feed)
+    name = next(iter(decode.retained))
+    feed = {k: np.zeros((SLOTS, 1), np.int32) for k in feed} | {name: decode.state[name]}
+    with pytest.raises(RunError, match=f"{name} is retained state, held on the device"):
+        decode.run("decode", feed)
+    with pytest.raises(RunError, match="the whole buffers"):
+        decode.write_state("handoff", {name: decode.state[name]})
