@@ -75,7 +75,8 @@ class Transfers:
 
 class Program:
     """One compiled program: an engine session (onnxruntime) on a graph, at the shapes of its
-    specializations, owning its retained state (zeros at load, as the device's buffers)."""
+    specializations, owning its retained state (zeros at load, as the device's buffers; held
+    as read-only arrays that the program replaces, never writes into)."""
 
     def __init__(self, name, entry, session, transfers, kv_dtype="float16"):
         """entry: the graph's manifest entry (`codegen.folder.manifest.Graph`); session: its
@@ -88,7 +89,7 @@ class Program:
         self.state_shapes = {n: first[n] for n in self.retained}
         self.specializations = {s: {n: x for n, x in sh.items() if n not in self.retained}
                                 for s, sh in shapes.items()}  # fmt: skip
-        self.state = {n: np.zeros(s, np.float32) for n, s in self.state_shapes.items()}
+        self.state = {n: np.broadcast_to(np.float32(0), s) for n, s in self.state_shapes.items()}
 
     def specialization(self, feed):
         """The name of the specialization whose input shapes `feed` has exactly; RunError
@@ -126,11 +127,12 @@ class Program:
         return out
 
     def read_state(self, call):
-        """The whole retained state, copied to the host (counted as `call`'s KV out)."""
+        """The whole retained state, on the host (counted as `call`'s KV out): the arrays
+        themselves, which the program replaces at its next call and never writes into."""
         self.transfers.calls[call] += 1
         for x in self.state.values():
             self.transfers.add(call, "out", "kv", x.size * self.kv_bytes)
-        return {n: x.copy() for n, x in self.state.items()}
+        return dict(self.state)
 
     def write_state(self, call, arrays):
         """Replace the whole retained state with `arrays` from the host (counted as `call`'s
@@ -141,4 +143,31 @@ class Program:
                            f"{self.state_shapes} (the whole buffers)")  # fmt: skip
         for x in arrays.values():
             self.transfers.add(call, "in", "kv", x.size * self.kv_bytes)
-        self.state = {n: np.array(x, np.float32) for n, x in arrays.items()}
+        self.state = {n: np.asarray(x, np.float32) for n, x in arrays.items()}
+
+
+class ShapeOnly:
+    """An engine that computes nothing: each output is zeros of its declared shape at the
+    call's specialization (zero-strided: no memory). Bytes crossing the host depend on shapes
+    and the schedule only, so it counts a released model's transfers where onnxruntime would
+    need its weights (`benchmarks/device_transfers.py`); greedy tokens are all id 0."""
+
+    def __init__(self, entry, folder=None, checkpoint=None):
+        """entry: the graph's manifest entry (folder and checkpoint, as `open_session` takes
+        them, are not read)."""
+        self.entry = entry
+
+    def get_outputs(self):
+        """The outputs (each with its `name`, as onnxruntime's `NodeArg`s)."""
+        return list(self.entry.outputs)
+
+    def run(self, _, feed):
+        """[zeros] in output order at the specialization whose input shapes `feed` has."""
+        given = {n: tuple(np.shape(x)) for n, x in feed.items()}
+        for s in self.entry.specializations:
+            if self.entry.shapes(s["name"]) == given:
+                dtypes = {"int32": np.int32, "int64": np.int64}
+                return [np.broadcast_to(dtypes.get(t.dtype, np.float32)(0),
+                                        tuple(t.shapes[s["name"]]))
+                        for t in self.entry.outputs]  # fmt: skip
+        raise RunError(f"graph {self.entry.name}: no specialization takes {given}")

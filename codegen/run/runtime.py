@@ -61,11 +61,11 @@ def _kv_dtype(manifest):
     return manifest.options.get("kv_dtype", "float16")
 
 
-def _program(entry, home, transfers):
+def _program(entry, home, transfers, engine):
     """The `Program` of manifest `entry` whose graph is in `home` (folder, checkpoint, KV
-    format), counting into `transfers`."""
+    format) on `engine`'s session, counting into `transfers`."""
     folder, checkpoint, kv_dtype = home
-    return Program(entry.name, entry, open_session(entry, folder, checkpoint), transfers, kv_dtype)
+    return Program(entry.name, entry, engine(entry, folder, checkpoint), transfers, kv_dtype)
 
 
 class Runner:
@@ -76,14 +76,16 @@ class Runner:
     compute context length (`_run`)."""
 
     def __init__(self, folder, *, check_shards=True, decode_folder=None, on_call=None,
-                 speculate=True):  # fmt: skip
+                 speculate=True, engine=open_session):  # fmt: skip
         """folder: an export with prefill and decode graphs (a path, or an opened
         `codegen.folder.opened.Export`: not opened again), or a `--prefill-only` export
         whose KV cache hands over to the decode graph of `decode_folder` (a `--decode-only`
         export with the same retained-state layout); on_call(kind, feed): told of every
         graph call before it runs (`verify --write-npi --prompts` records the feeds);
         speculate: with an export's speculate graph, greedy generation runs a round per call
-        (`codegen.run.speculation`; False: the decode graph, a token per call)."""
+        (`codegen.run.speculation`; False: the decode graph, a token per call); engine(entry,
+        folder, checkpoint): each program's session (`codegen.run.device.ShapeOnly` counts
+        transfers without computing)."""
         self.on_call = on_call or (lambda kind, feed: None)
         self.export = open_folder(folder, check_shards=check_shards)
         self.folder, manifest = self.export.folder, self.export.manifest
@@ -119,7 +121,7 @@ class Runner:
         self.entries = graphs
         self.transfers = Transfers()
         self.programs = {
-            kind: _program(graphs[kind], homes[kind], self.transfers)
+            kind: _program(graphs[kind], homes[kind], self.transfers, engine)
             for kind in ("vision", "audio", "prefill", "decode", "speculate")
             if kind in graphs and (kind != "speculate" or speculate)
         }
