@@ -1,27 +1,26 @@
 """Bytes between host and device when serving, at the released shapes: what the runtime moves
-under the device's rules (`codegen.run.device`), in the layout the export writes.
+under the device's rules (`codegen.run.device`), one language program against two.
 
 For E2B, E4B and 31B (Google's released config.json, read from ../shared/gemma4/configs/: the
 benchmark refuses to run without it) it writes a sparse checkpoint (headers and holes,
-`export_weight_free.write_sparse_checkpoint`), exports it with 4 continuous-batching slots at
-two option sets,
+`export_weight_free.write_sparse_checkpoint`) and exports it with 4 continuous-batching slots
+(`--budgets 280 --full-batch-size 4 --no-verify --no-hash`, each in a child process: its wall
+time against the 30 s goal) four ways:
 
-    default:     --seq-len 128 --ctx-len 8192
-    production:  --seq-len 1024 --ctx-len 65536 and QEfficient's production blocking
-                 (`export_production.PRODUCTION`)
+    default, split:          --seq-len 128 --ctx-len 8192 --split-programs
+    default, one program:    --seq-len 128 --ctx-len 8192
+    production, split:       --seq-len 1024 --ctx-len 65536 and QEfficient's production
+                             blocking (`export_production.PRODUCTION`: prefill qkv, decode
+                             kv_headpar, which cannot be one program)
+    production, one program: --seq-len 1024 --ctx-len 65536, dense attention
 
-each `--budgets 280 --full-batch-size 4 --no-verify --no-hash` in a child process (its wall
-time against the 30 s goal), then serves 8 text requests of mixed lengths arriving over the
-first steps (REQUESTS) through `codegen.run.runtime.Runner.serve` on `ShapeOnly` engines:
-every call the runtime makes, at its real shapes, computing nothing (the bytes depend on the
-shapes and the schedule only; the tokens are all id 0, and no request stops early).
+Each export then serves 8 text requests of mixed lengths arriving over the first steps
+(REQUESTS) through `codegen.run.runtime.Runner.serve` on `ShapeOnly` engines: every call the
+runtime makes, at its real shapes, computing nothing (the bytes depend on the shapes and the
+schedule only; the tokens are all id 0, and no request stops early).
 
-Per model and option set it prints the bytes in and out per request and per generated token:
-the KV cache (retained state, float16 as custom_io.yaml gives it), logits, everything else.
-"split" is the layout the export writes today (prefill and decode two programs, the cache
-handed over whole at every switch between them); "one program" is the same run without the
-handoffs, what one language program holding both would move (projected: the export cannot
-write it yet).
+Per export it prints the bytes in and out per request and per generated token: the KV cache
+(retained state, float16 as custom_io.yaml gives it), logits, everything else.
 
     python benchmarks/device_transfers.py [--models E2B,E4B,31B] [--options default,production]
         [--keep DIR]
@@ -50,7 +49,13 @@ CONFIGS = ROOT.parent / "shared" / "gemma4" / "configs"
 MODELS = ("E2B", "E4B", "31B")
 OPTIONS = {
     "default": ("--seq-len", "128", "--ctx-len", "8192"),
-    "production": ("--seq-len", "1024", "--ctx-len", "65536", *PRODUCTION),
+    "production": ("--seq-len", "1024", "--ctx-len", "65536"),
+}
+LAYOUTS = {  # (options, layout) → what the export is given besides OPTIONS
+    ("default", "split"): ("--split-programs",),
+    ("default", "one program"): (),
+    ("production", "split"): PRODUCTION,
+    ("production", "one program"): (),
 }
 SLOTS = 4
 # (prompt tokens, new tokens, arrival step) of the 8 requests
@@ -80,19 +85,13 @@ def served(out):
     return runner.transfers, sum(len(t) for t in tokens)
 
 
-def rows(model, option, transfers, tokens):
-    """Table rows: per layout, KV / logits / other bytes in and out per request and per token."""
-    out = []
-    for layout in ("split", "one program"):
-        kept = {k: n for k, n in transfers.moved.items()
-                if layout == "split" or not k[0].startswith("handoff")}  # fmt: skip
-        total = {(d, w): sum(n for (_, dd, ww), n in kept.items() if (dd, ww) == (d, w))
-                 for d in ("in", "out") for w in WHAT}  # fmt: skip
-        cells = [f"{total[(d, w)] / scale / 1e6:,.3f}"
-                 for scale in (len(REQUESTS), tokens) for d, w in
-                 (("in", "kv"), ("out", "kv"), ("out", "logits"), ("in", "other"))]  # fmt: skip
-        out.append([model, option, layout, *cells])
-    return out
+def row(model, option, layout, transfers, tokens):
+    """A table row: KV in and out, logits out, other in, per request then per token (MB)."""
+    total = {(d, w): transfers.total(w, d) for d in ("in", "out") for w in WHAT}
+    cells = [f"{total[(d, w)] / scale / 1e6:,.3f}"
+             for scale in (len(REQUESTS), tokens) for d, w in
+             (("in", "kv"), ("out", "kv"), ("out", "logits"), ("in", "other"))]  # fmt: skip
+    return [model, option, layout, *cells]
 
 
 def main():
@@ -107,17 +106,20 @@ def main():
         for model in args.models.split(","):
             ckpt = root / f"{model}-ckpt"
             write_sparse_checkpoint(ckpt, released_config(model))
-            for option in args.options.split(","):
-                out = root / f"{model}-{option}"
+            for (option, layout), extra in LAYOUTS.items():
+                if option not in args.options.split(","):
+                    continue
+                name = f"{model}-{option}-{layout.replace(' ', '-')}"
                 cmd = [sys.executable, "-m", "codegen", "export", "--model", str(ckpt),
-                       "--out", str(out), "--budgets", "280", "--full-batch-size", str(SLOTS),
-                       "--no-verify", "--no-hash", "--force", *OPTIONS[option]]  # fmt: skip
-                code, wall, _ = child(cmd, root / f"{model}-{option}.log")
+                       "--out", str(root / name), "--budgets", "280", "--full-batch-size",
+                       str(SLOTS), "--no-verify", "--no-hash", "--force", *OPTIONS[option],
+                       *extra]  # fmt: skip
+                code, wall, _ = child(cmd, root / f"{name}.log")
                 if code:
-                    sys.exit(f"export failed: see {root / f'{model}-{option}.log'}")
-                times.append((model, option, wall))
-                transfers, tokens = served(out)
-                table += rows(model, option, transfers, tokens)
+                    sys.exit(f"export failed: see {root / f'{name}.log'}")
+                times.append((name, wall))
+                transfers, tokens = served(root / name)
+                table.append(row(model, option, layout, transfers, tokens))
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -132,7 +134,7 @@ def main():
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
     print(
         "export (child process wall s, goal < 30 s): "
-        + ", ".join(f"{m} {o} {w:.1f} s" + ("" if w < GOAL_S else " (missed)") for m, o, w in times)
+        + ", ".join(f"{n} {w:.1f} s" + ("" if w < GOAL_S else " (missed)") for n, w in times)
     )
 
 

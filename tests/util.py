@@ -76,12 +76,14 @@ def examples(n):
     return 20 * n if settings.get_current_profile_name() == "long" else n
 
 
-def small_export(checkpoint, tmp_path_factory):
-    """The folder of `checkpoint` exported with one vision budget (70) and seq_len 16."""
+def small_export(checkpoint, tmp_path_factory, **options):
+    """The folder of `checkpoint` exported with one vision budget (70), seq_len 16 and
+    `options` (`ExportOptions` fields)."""
     from codegen.export.command import ExportOptions, export
 
     out = tmp_path_factory.mktemp("export") / "out"
-    export(ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16), log=print)
+    opts = ExportOptions(out=out, model=checkpoint, budgets=(70,), seq_len=16, **options)
+    export(opts, log=print)
     return out
 
 

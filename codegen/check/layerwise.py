@@ -252,7 +252,7 @@ def deferred_weights(spec, checkpoint):
 def _kernel(spec):
     """The language graphs' reference attends by query slices (`sliced_reference`); the
     vision reference attends per item in tiles already."""
-    text = ("prefill", "decode", "speculate")
+    text = ("prefill", "decode", "language", "speculate")
     return {"attention": sliced_reference} if spec.kind in text else {}
 
 

@@ -267,8 +267,8 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
     for entry, spec, model in chosen:
         if calls is None:
             feeds = ((s["name"], feed) for s, feed in sample_feeds(spec, seed, kv))
-        elif calls.get(entry.kind):
-            feeds = ((label, stored_feed(spec, f, kv)) for label, f in calls[entry.kind])
+        elif _recorded(calls, entry.kind):
+            feeds = ((label, stored_feed(spec, f, kv)) for label, f in _recorded(calls, entry.kind))
         else:
             raise PlanError(f"{spec.name}: no request in {prompts} calls this graph (the vision "
                             "graph needs a request with an image or a video, the audio graph "
@@ -311,3 +311,10 @@ def plans_table(plans, precision):
         if parted is not None:
             lines.append(f"  ref parts from the graph at {parted}")
     return "\n".join(lines)
+
+
+def _recorded(calls, kind):
+    """The recorded calls of a graph of `kind` ({runner kind: [(label, feed)]}): a language
+    program's are the prefill and decode calls."""
+    kinds = ("prefill", "decode") if kind == "language" else (kind,)
+    return [call for k in kinds for call in calls.get(k, ())]

@@ -22,6 +22,11 @@ from codegen.folder.sessions import session_at
 from codegen.run.runtime import Runner
 
 
+def _kinds(runner):
+    """One runner kind per exported graph (a language program serves prefill and decode)."""
+    return list({runner.entries[k].name: k for k in runner.programs}.values())
+
+
 def _graph(runner, kind):
     entry = runner.entries[kind]
     return entry, onnx.load(os.path.join(runner.folder, entry.file), load_external_data=False)
@@ -30,7 +35,7 @@ def _graph(runner, kind):
 def measured_plan(runner):
     """{graph kind: node names} from the folder's GRAPH.npi.yaml files (none: an empty plan)."""
     plan = {}
-    for kind in runner.entries:
+    for kind in _kinds(runner):
         entry, model = _graph(runner, kind)
         path = os.path.join(runner.folder, entry.name + SUFFIX)
         plan[kind] = read_npi(path, model) if os.path.exists(path) else []
@@ -42,7 +47,7 @@ def rule_plan(runner):
     (top level and function bodies)}: QEfficient's rule of float32 everywhere but the
     matmuls, its `generate_npi_file` applied to the whole graph."""
     plan = {}
-    for kind in runner.entries:
+    for kind in _kinds(runner):
         _, model = _graph(runner, kind)
         inlined, named = inline(model), plan_names(model)
         made = set(float_tensors(inlined)[1])
@@ -57,7 +62,7 @@ def device_runner(folder, precision, plan):
     device model with `plan` kept float32, the number of node results it keeps: a body
     name's in every call)."""
     runner, count = Runner(folder, check_shards=False), 0
-    for kind in list(runner.programs):
+    for kind in _kinds(runner):
         entry, model = _graph(runner, kind)
         kept = instances(model, plan.get(kind, ()))
         device, _, _ = device_graph(model, precision, kept, stats=False)

@@ -25,7 +25,7 @@ RTOL = layerwise.RTOL  # max |ort − ref| ≤ RTOL · max |ref|: float32 reasso
 # released size; the tiny default model stays whole).
 LAYERWISE_BYTES = 256 << 20
 # the kinds of graph whose layer functions `check.layerwise` can check one call at a time
-LAYERED_KINDS = ("vision", "audio", "prefill", "decode", "speculate")
+LAYERED_KINDS = ("vision", "audio", "prefill", "decode", "language", "speculate")
 
 
 def rebuild(entry, checkpoint):

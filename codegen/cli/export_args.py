@@ -238,6 +238,13 @@ def _artifacts(e):
         const=("decode",),
         help="disaggregated serving: the decode graph only",
     )
+    e.add_argument(
+        "--split-programs",
+        action="store_true",
+        help="the language model as two programs, prefill and decode, whose KV cache crosses "
+        "the host between them; by default it is one program (prefill and decode "
+        "specializations of one graph) wherever the phases' modes allow (docs/device.md)",
+    )
     e.add_argument("--hw-version", help=f"-aic-hw-version (default {D['hw_version']})")
     e.add_argument(
         "--clip-fp16",

@@ -79,6 +79,7 @@ class ExportOptions:
     mdp_config: str | None = None
     num_devices: int = EXPORT_DEFAULTS["num_devices"]
     phases: tuple = ("prefill", "decode")  # --prefill-only / --decode-only
+    split_programs: bool = False  # prefill and decode as two programs even where one can be
     hw_version: str = EXPORT_DEFAULTS["hw_version"]
     hash_shards: bool = True
     force: bool = False

@@ -92,9 +92,10 @@ def write_graph(spec, checkpoint, folder, opts, log):
 
 def retained_layout(entries):
     """The KV-cache layout the exported language graphs share: {input name: shape} of every
-    retained-state input, at the decode (else prefill) graph's first specialization — what a
-    prefill-only and a decode-only export must agree on to hand the cache over."""
-    for kind in ("decode", "prefill"):
+    retained-state input, at the language (else decode, else prefill) graph's first
+    specialization — what a prefill-only and a decode-only export must agree on to hand the
+    cache over."""
+    for kind in ("language", "decode", "prefill"):
         for e in entries:
             if e.kind == kind:
                 retained = {pair[0] for pair in e.retained_state}

@@ -7,6 +7,7 @@ from codegen.folder import paired
 from codegen.graphs import attention as attention_graph
 from codegen.graphs import audio as audio_graph
 from codegen.graphs import decoder, kinds, unified
+from codegen.graphs import language as language_graph
 from codegen.graphs import model as model_graphs
 from codegen.graphs import vision as vision_graph
 from ref.blocking import VISION_TILES
@@ -45,10 +46,49 @@ def _embedders(config, opts, build, wants_vision):
     return specs
 
 
+def _language_options(opts, cfg, folded, drafts):
+    """{phase: the options of its language graph}: its blocking, cache layout, compute context
+    lengths and MoE mode (the step's tokens: decode runs over every continuous-batching slot)."""
+    out = {}
+    for phase, (mode, options), moe in (
+        ("prefill", opts.prefill_blocking, opts.moe_prefill),
+        ("decode", opts.decode_blocking, opts.moe_decode),
+    ):
+        decode_rows = opts.full_batch_size or opts.batch_size
+        tokens = opts.batch_size * opts.seq_len if phase == "prefill" else decode_rows
+        out[phase] = {
+            "mode": mode,
+            "blocking": options,
+            "budgets": opts.budgets,
+            "sliding_ring": opts.sliding_ring,
+            "full_batch_size": opts.full_batch_size,
+            "folded_cache": folded,
+            "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
+            "moe": model_graphs.phase_moe(moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens),
+            "drafts": drafts,
+        }
+    return out
+
+
+def one_program(opts, asked, folded):
+    """None when prefill and decode are exported as one `language` program; else why they
+    are two (`--split-programs`, a one-phase export, or a mode pair one graph cannot hold:
+    `codegen.graphs.language.one_program_refusal`)."""
+    if opts.split_programs:
+        return "--split-programs"
+    if set(opts.phases) != {"prefill", "decode"}:
+        return f"--{opts.phases[0]}-only"
+    p, d = asked["prefill"], asked["decode"]
+    return language_graph.one_program_refusal(
+        (p["mode"], p["blocking"]), (d["mode"], d["blocking"]), p["moe"], d["moe"], folded
+    )
+
+
 def graph_specs(checkpoint, opts):
     """The GraphSpecs this checkpoint and these options ask for: the vision tower (when the
     checkpoint has one), the audio tower and embed_audio (when it has an audio_config and
-    their tensors), then the language model's prefill and decode graphs (`--graphs
+    their tensors), then the language model: one `language` program where prefill and decode
+    can be one graph (`one_program`), else its prefill and decode graphs (`--graphs
     model`, when it has a text decoder) and/or the attention stacks (`--graphs attention`)."""
     shapes = {n: info.shape for n, info in checkpoint.tensors.items()}
     shared = {"batch_size": opts.batch_size, "seq_len": opts.seq_len, "ctx_len": opts.ctx_len}
@@ -81,31 +121,18 @@ def graph_specs(checkpoint, opts):
         )  # fmt: skip
         cfg = graphs.text_config(checkpoint.config)
         drafts = opts.drafts()
-        for phase, (mode, options), moe in (
-            ("prefill", opts.prefill_blocking, opts.moe_prefill),
-            ("decode", opts.decode_blocking, opts.moe_decode),
-        ):
-            if phase not in opts.phases:
-                continue
-            # the step's rows: decode runs over every continuous-batching slot
-            decode_rows = opts.full_batch_size or opts.batch_size
-            tokens = opts.batch_size * opts.seq_len if phase == "prefill" else decode_rows
-            asked = {
-                "mode": mode,
-                "blocking": options,
-                "budgets": opts.budgets,
-                "sliding_ring": opts.sliding_ring,
-                "full_batch_size": opts.full_batch_size,
-                "folded_cache": folded,
-                "comp_ctx_lengths": list(opts.ccl_lists()[phase]),
-                "moe": model_graphs.phase_moe(
-                    moe, phase, cfg, num_cores=opts.num_cores, tokens=tokens
-                ),
-                "drafts": drafts,
-            }
-            specs.append(build(phase, phase, {**shared, **asked}))  # fmt: skip
-            if phase == "decode" and drafts:
-                specs.append(build("speculate", "speculate", _speculate(asked, shared, opts, cfg)))
+        asked = _language_options(opts, cfg, folded, drafts)
+        split = one_program(opts, asked, folded)  # None: one program
+        if split is None:
+            language = {**shared, **asked["prefill"],
+                        "decode_comp_ctx_lengths": asked["decode"]["comp_ctx_lengths"]}  # fmt: skip
+            specs.append(build("language", "language", language))
+        for phase in ("prefill", "decode"):
+            if phase in opts.phases and split is not None:
+                specs.append(build(phase, phase, {**shared, **asked[phase]}))
+        if "decode" in opts.phases and drafts:
+            speculate = _speculate(asked["decode"], shared, opts, cfg)
+            specs.append(build("speculate", "speculate", speculate))
     stackable = "attention" in opts.graphs and attention_graph.attention_layers_available(
         checkpoint.config, shapes
     )

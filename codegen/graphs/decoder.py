@@ -1,9 +1,13 @@
 """The Gemma 4 text decoder as the language graphs see it: where its weights start in a
 checkpoint and which it takes (in call order, shapes checked against `ref`), the ONNX
-function name of each decoder layer, and the KV-cache tensors of the layers that own one.
+function name of each decoder layer, the KV-cache tensors of the layers that own one, and
+random inputs of a language graph's specialization (`model_sample`).
 """
 
-from codegen.graphs import GraphError, Tensor, folded_rows
+import numpy as np
+
+from codegen.graphs import Drawn, GraphError, Tensor, folded_rows
+from codegen.graphs.ccl import CCL
 from ref.gemma4.kv_cache import ring_slots
 from ref.gemma4.params import TEXT, text_param_shapes
 from ref.gemma4.text_config import SLIDING
@@ -80,3 +84,37 @@ def gathered(prefix, names):
     if LM_HEAD in names:
         tables.append(prefix + "embed_tokens.weight")
     return tuple(n for n in tables if n in names)
+
+
+def model_sample(cfg, vision, cache_in, symbols, rng):
+    """Random inputs: per row positions from a random start with a padded tail (below the
+    compute context length with one), text ids with a run of image tokens (prefill), random
+    soft tokens, image_idx and caches (`Drawn`)."""
+    b, s = symbols["batch_size"], symbols["seq_len"]
+    t = symbols.get(CCL, symbols["ctx_len"])
+    start = rng.integers(0, t - s + 1, (b, 1))
+    pos = (start + np.arange(s)[None, :]).astype(np.int32)
+    pad = rng.integers(0, s // 2 + 1, b) if s > 1 else np.zeros(b, int)
+    pos[np.arange(s)[None, :] >= (s - pad)[:, None]] = -1
+    special = {cfg.image_token_id, cfg.pad_token_id}
+    ids = rng.integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
+    ids[np.isin(ids, list(special - {None}))] = (cfg.pad_token_id + 1) % cfg.vocab_size
+    feed = {"input_ids": ids, "position_ids": pos}
+    if vision:
+        v = symbols["vision_size"]
+        image_idx = np.zeros((b, 1), np.int32)
+        for r in range(b):
+            lo = int(rng.integers(0, s))
+            hi = int(rng.integers(lo, min(s, lo + v) + 1))
+            ids[r, lo:hi] = cfg.image_token_id
+            image_idx[r, 0] = rng.integers(0, v - (hi - lo) + 1)
+        feed["vision_embeds"] = rng.standard_normal((b, v, cfg.hidden_size), dtype=np.float32)
+        feed["image_idx"] = image_idx
+    if CCL in symbols:
+        feed[CCL] = np.zeros(symbols[CCL], np.int64)  # its length is what the graph reads
+    if "full_batch_size" in symbols:
+        slots = rng.permutation(symbols["full_batch_size"])[:b].astype(np.int32)
+        feed["batch_index"] = slots[:, None]
+    for tensor in cache_in:
+        feed[tensor.name] = Drawn(tensor.concrete(symbols), tuple(rng.integers(0, 2**63, 2)))
+    return feed

@@ -8,6 +8,7 @@ older export did not record get their old meaning when its manifest is read
 
 from codegen.graphs import attention as attention_graph
 from codegen.graphs import audio as audio_graph
+from codegen.graphs import language as language_graph
 from codegen.graphs import model as model_graphs
 from codegen.graphs import speculate as speculate_graph
 from codegen.graphs import unified as unified_graphs
@@ -52,6 +53,16 @@ def _language(config, shapes, name, o, use_functions):
     )  # fmt: skip
 
 
+def _one_program(config, shapes, name, o, use_functions):
+    keys = ("batch_size", "seq_len", "ctx_len", "sliding_ring", "full_batch_size", "moe",
+            "drafts")  # fmt: skip
+    return language_graph.language_graph(
+        config, shapes, budgets=o["budgets"], comp_ctx_lengths=tuple(o["comp_ctx_lengths"]),
+        decode_comp_ctx_lengths=tuple(o["decode_comp_ctx_lengths"]),
+        use_functions=use_functions, **{k: o[k] for k in keys},
+    )  # fmt: skip
+
+
 def _speculate(config, shapes, name, o, use_functions):
     keys = ("mode", "batch_size", "ctx_len", "sliding_ring", "full_batch_size", "folded_cache",
             "moe", "drafts", "assistant")  # fmt: skip
@@ -75,6 +86,7 @@ BUILDERS = {
     "embed_audio": _embed_audio,
     "prefill": _language,
     "decode": _language,
+    "language": _one_program,
     "speculate": _speculate,
     "attention": _attention,
 }

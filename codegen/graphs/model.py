@@ -35,6 +35,7 @@ from codegen.graphs.decoder import (
     cache_tensors,
     decoder_kinds,
     gathered,
+    model_sample,
     model_weights,
 )
 from ref import moe_modes
@@ -85,40 +86,6 @@ def folds_cache(mode, options, *, batch, ctx_len):
     [1, rows·Hkv, T, D] (QEfficient's batch-fold layout, the same bytes as [rows, Hkv, T, D])."""
     config = blocking(mode, options, prefill=False, batch=batch, queries=1, kv_len=ctx_len)
     return config is not None and config.batch_fold
-
-
-def model_sample(cfg, vision, cache_in, symbols, rng):
-    """Random inputs: per row positions from a random start with a padded tail (below the
-    compute context length with one), text ids with a run of image tokens (prefill), random
-    soft tokens, image_idx and caches (`Drawn`)."""
-    b, s = symbols["batch_size"], symbols["seq_len"]
-    t = symbols.get(CCL, symbols["ctx_len"])
-    start = rng.integers(0, t - s + 1, (b, 1))
-    pos = (start + np.arange(s)[None, :]).astype(np.int32)
-    pad = rng.integers(0, s // 2 + 1, b) if s > 1 else np.zeros(b, int)
-    pos[np.arange(s)[None, :] >= (s - pad)[:, None]] = -1
-    special = {cfg.image_token_id, cfg.pad_token_id}
-    ids = rng.integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
-    ids[np.isin(ids, list(special - {None}))] = (cfg.pad_token_id + 1) % cfg.vocab_size
-    feed = {"input_ids": ids, "position_ids": pos}
-    if vision:
-        v = symbols["vision_size"]
-        image_idx = np.zeros((b, 1), np.int32)
-        for r in range(b):
-            lo = int(rng.integers(0, s))
-            hi = int(rng.integers(lo, min(s, lo + v) + 1))
-            ids[r, lo:hi] = cfg.image_token_id
-            image_idx[r, 0] = rng.integers(0, v - (hi - lo) + 1)
-        feed["vision_embeds"] = rng.standard_normal((b, v, cfg.hidden_size), dtype=np.float32)
-        feed["image_idx"] = image_idx
-    if CCL in symbols:
-        feed[CCL] = np.zeros(symbols[CCL], np.int64)  # its length is what the graph reads
-    if "full_batch_size" in symbols:
-        slots = rng.permutation(symbols["full_batch_size"])[:b].astype(np.int32)
-        feed["batch_index"] = slots[:, None]
-    for tensor in cache_in:
-        feed[tensor.name] = Drawn(tensor.concrete(symbols), tuple(rng.integers(0, 2**63, 2)))
-    return feed
 
 
 def model_graph(
@@ -198,21 +165,39 @@ def model_graph(
             "drafts": drafts,
             "layer_functions": sorted(set(kinds)),
         },
+        specializations=specializations(phase, base, budgets, ccls),
+        static=tuple(base),
+        constraints=ccl_constraints(ctx_len, multiple) if ccls else (),
+        **step_fields(
+            cfg,
+            vision,
+            (ids, cache_in, outputs),
+            (prefix, names),
+            forward(kernel, use_functions),
+            forward,
+        ),
+    )
+
+
+def step_fields(cfg, vision, io, weights, fn, forward):
+    """The GraphSpec fields every language graph shares: its inputs (io: ids, caches, outputs),
+    weights ((checkpoint prefix, names)), traced `fn`, `ref`'s answer through `forward`
+    unrouted, sample inputs, retained-state pairs, gathered tables and the logits' head."""
+    ids, cache_in, outputs = io
+    prefix, names = weights
+    return dict(
         inputs=ids + cache_in,
         outputs=outputs,
         weights=names,
-        fn=forward(kernel, use_functions),
+        fn=fn,
         reference=traced_reference(forward, ids + cache_in, outputs, names),
         sample=partial(model_sample, cfg, vision, cache_in),
-        specializations=specializations(phase, base, budgets, ccls),
         retained=tuple((t.name, t.name + "_RetainedState") for t in cache_in),
-        static=tuple(base),
         gathered=gathered(prefix, names),
         head=LM_HEAD if LM_HEAD in names else prefix + "embed_tokens.weight",
         # a layer's cache is read by that layer only (with continuous batching too: each
         # layer writes its slots' rows in place, `ref.gemma4.kv_cache.linear_memory`)
         lazy=tuple(t.name for t in cache_in),
-        constraints=ccl_constraints(ctx_len, multiple) if ccls else (),
     )
 
 

@@ -25,11 +25,17 @@ import numpy as np
 
 from codegen.graphs import GraphError, GraphSpec, Tensor, layer_function, route_layers, text_config
 from codegen.graphs.ccl import CCL, ccl_constraints, specializations
-from codegen.graphs.decoder import LM_HEAD, cache_owners, cache_tensors, decoder_kinds, gathered
+from codegen.graphs.decoder import (
+    LM_HEAD,
+    cache_owners,
+    cache_tensors,
+    decoder_kinds,
+    gathered,
+    model_sample,
+)
 from codegen.graphs.decoder import model_weights as target_weights
 from codegen.graphs.model import (
     io_tensors,
-    model_sample,
     planned_blocking,
     sized_options,
     static_symbols,

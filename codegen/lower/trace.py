@@ -7,13 +7,17 @@ are compile-time constants); the graph's inputs and outputs are labelled with th
 
 import collections
 import contextlib
+import dataclasses
+import importlib
 import logging
+import types
 from pathlib import Path
 
 import jax
 import numpy as np
 import onnx
 import onnx_ir as ir
+from jax import core, lax
 from jax import export as jax_export
 from jax2onnx import to_onnx
 from jax2onnx.converter import (
@@ -22,7 +26,8 @@ from jax2onnx.converter import (
     optimizer_graph_utils,
     output_binding,
 )
-from jax2onnx.plugins import plugin_system
+from jax2onnx.plugins import _ir_shapes, plugin_system
+from jax2onnx.plugins._patching import MonkeyPatchSpec
 
 from codegen import graphs
 from codegen.lower.ops import OPSET
@@ -194,6 +199,90 @@ def _fast_numpy_tensors():
         ir.tensor = old
 
 
+# jax2onnx's plugins patched below for sizes left symbolic (the language program's seq_len and
+# batch_size): each patch leaves a statically sized trace as it was
+_CONCATENATE = importlib.import_module("jax2onnx.plugins.jax.numpy.concatenate")
+_REM = importlib.import_module("jax2onnx.plugins.jax.lax.rem")
+_FULL = importlib.import_module("jax2onnx.plugins.jax.numpy.full")
+
+
+@contextlib.contextmanager
+def _concatenated_symbolic_sizes():
+    """jax2onnx replaces `jnp.concatenate` with a primitive whose shape rule sums the sizes
+    along the axis only when all are ints, and else declares the first operand's: a ring of 8
+    slots joined to seq_len new keys was declared [.., 8, ..], and a broadcast of it baked 8
+    into a Reshape that then failed on 8 + seq_len keys. The sum instead."""
+    cls = _CONCATENATE.JnpConcatenatePlugin
+    old = cls.__dict__["abstract_eval"]
+
+    def abstract_eval(*arrays, dimension=0, axis=None):
+        out = old.__func__(*arrays, dimension=dimension, axis=axis)
+        at = _CONCATENATE._normalize_axis(dimension if axis is None else axis, len(out.shape))
+        shape = list(out.shape)
+        shape[at] = sum(a.shape[at] for a in arrays)
+        return out.update(shape=tuple(shape))
+
+    cls.abstract_eval = staticmethod(abstract_eval)
+    cls._PRIM.def_abstract_eval(abstract_eval)  # the primitive holds the rule it was given
+    try:
+        yield
+    finally:
+        cls.abstract_eval = old
+        cls._PRIM.def_abstract_eval(old.__func__)
+
+
+@contextlib.contextmanager
+def _rem_symbolic_shapes():
+    """jax2onnx's `lax.rem` lowering stamps `ir.Shape(aval.shape)` itself, before its usual
+    labelling, and onnx_ir calls int() on a symbolic size ("Symbolic dimension 'seq_len' used
+    in a context that requires a constant", at `positions % window`). Its `ir.Shape` labels
+    the sizes first, as that labelling does next."""
+    shim = types.SimpleNamespace(**{n: getattr(ir, n) for n in dir(ir) if not n.startswith("__")})
+    shim.Shape = lambda dims, *a, **k: ir.Shape(
+        [_ir_shapes._to_ir_dim_for_shape(d) for d in dims], *a, **k
+    )
+    old = _REM.ir
+    _REM.ir = shim
+    try:
+        yield
+    finally:
+        _REM.ir = old
+
+
+def _full_of(patched):
+    """jax2onnx's `jnp.full` for static shapes; a shape with a symbolic size (int() of each
+    size fails there) goes to `lax.full`, a broadcast of the fill value."""
+
+    def full(shape, fill_value, dtype=None, **kw):
+        dims = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        if kw or all(core.is_constant_dim(d) for d in dims):
+            return patched(shape, fill_value, dtype, **kw)
+        return lax.full(dims, fill_value, dtype)
+
+    return full
+
+
+@contextlib.contextmanager
+def _symbolic_full():
+    """`jnp.full` through `_full_of` while tracing."""
+    cls = _FULL.JnpFullPlugin
+    old = cls.__dict__["binding_specs"]
+
+    def specs(owner):
+        return [
+            dataclasses.replace(s, make_value=lambda orig, make=s.make_value: _full_of(make(orig)))
+            if isinstance(s, MonkeyPatchSpec) and s.attr == "full"
+            else s
+            for s in old.__func__(owner)
+        ]
+
+    cls.binding_specs = classmethod(specs)
+    try:
+        yield
+    finally:
+        cls.binding_specs = old
+
+
 def symbols(spec, every=False):
     """{symbol: its dimension} for the symbols the trace leaves symbolic, made in one scope
     with the spec's constraints (a plain string symbol knows none: "comparison 'n' <= '64' is
@@ -241,6 +330,9 @@ def trace(spec, tensors):
         _newest_first_connectivity(),
         _producers_by_identity(),
         _fast_numpy_tensors(),
+        _concatenated_symbolic_sizes(),
+        _rem_symbolic_shapes(),
+        _symbolic_full(),
     ):
         model = to_onnx(
             spec.fn,

@@ -35,37 +35,15 @@ import numpy as np
 from codegen.folder.opened import open_folder
 from codegen.folder.sessions import open_session
 from codegen.run import audio, speculation, unified
-from codegen.run.device import Program, Transfers
+from codegen.run.device import Transfers
 from codegen.run.errors import RunError
+from codegen.run.programs import ccl_for, decode_media, kv_dtype, lengths, program
 from codegen.run.slots import Request, serve, slot_column
 from codegen.run.vision import Vision
 from ref.gemma4 import decoding
 from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
 from ref.gemma4.unified_config import any_text_config
 from weights import generation_config
-
-
-def ccl_for(ccls, position_ids):
-    """The least compute context length above every valid position (≥ 0) of a step, from the
-    increasing `ccls` (the last is ctx_len); the least one for a step with none."""
-    valid = np.asarray(position_ids)[np.asarray(position_ids) >= 0]
-    top = int(valid.max()) if valid.size else -1
-    above = [k for k in ccls if k > top]
-    if not above:
-        raise RunError(f"position {top}: no compute context length above it in {list(ccls)}")
-    return above[0]
-
-
-def _kv_dtype(manifest):
-    """The KV format an export's custom_io.yaml gives its retained state."""
-    return manifest.options.get("kv_dtype", "float16")
-
-
-def _program(entry, home, transfers, engine):
-    """The `Program` of manifest `entry` whose graph is in `home` (folder, checkpoint, KV
-    format) on `engine`'s session, counting into `transfers`."""
-    folder, checkpoint, kv_dtype = home
-    return Program(entry.name, entry, engine(entry, folder, checkpoint), transfers, kv_dtype)
 
 
 class Runner:
@@ -90,9 +68,11 @@ class Runner:
         self.export = open_folder(folder, check_shards=check_shards)
         self.folder, manifest = self.export.folder, self.export.manifest
         graphs = {unified.ROLES.get(g.kind, g.kind): g for g in manifest.graphs}
+        if "language" in graphs:  # one program: prefill and decode are its specializations
+            graphs["prefill"] = graphs["decode"] = graphs.pop("language")
         self.checkpoint = self.export.checkpoint
         # kind → (folder, checkpoint, the KV format its program keeps the cache in)
-        homes = {kind: (self.folder, self.checkpoint, _kv_dtype(manifest)) for kind in graphs}
+        homes = {kind: (self.folder, self.checkpoint, kv_dtype(manifest)) for kind in graphs}
         if decode_folder is not None:
             decoding_side = open_folder(decode_folder, check_shards=check_shards)
             decode_folder, other = decoding_side.folder, decoding_side.manifest
@@ -106,7 +86,7 @@ class Runner:
                     "the same model, batch, ctx_len and cache options (an --assistant's K "
                     "sizes the sliding ring: give both sides the same)"
                 )
-            home = (decode_folder, decoding_side.checkpoint, _kv_dtype(other))
+            home = (decode_folder, decoding_side.checkpoint, kv_dtype(other))
             graphs["decode"], homes["decode"] = entry, home
             for g in other.graphs:  # the decode side's speculate graph (its --assistant)
                 if g.kind == "speculate":
@@ -120,11 +100,13 @@ class Runner:
         self.text = any_text_config(self.checkpoint.config)
         self.entries = graphs
         self.transfers = Transfers()
-        self.programs = {
-            kind: _program(graphs[kind], homes[kind], self.transfers, engine)
-            for kind in ("vision", "audio", "prefill", "decode", "speculate")
-            if kind in graphs and (kind != "speculate" or speculate)
-        }
+        self.programs, made = {}, {}
+        for kind in ("vision", "audio", "prefill", "decode", "speculate"):
+            if kind in graphs and (kind != "speculate" or speculate):
+                key = (homes[kind][0], graphs[kind].name)  # one program per graph
+                if key not in made:
+                    made[key] = program(graphs[kind], homes[kind], self.transfers, engine)
+                self.programs[kind] = made[key]
         self.holder = None  # the kind whose program holds the live KV cache (None: none yet)
         # an export with an MTP assistant: K drafts a round (0: decode one token a call)
         self.drafts = graphs["speculate"].options["drafts"] if "speculate" in self.programs else 0
@@ -133,8 +115,11 @@ class Runner:
         self.budgets = sorted(o["budgets"])
         self.slots = o["full_batch_size"]  # continuous batching: the cache's slots
         # per graph kind, its compute context lengths (empty: it takes no comp_ctx_lengths)
-        self.ccls = {k: tuple(graphs[k].options["comp_ctx_lengths"]) for k in self.programs
+        self.ccls = {k: lengths(graphs[k], k) for k in self.programs
                      if k not in ("vision", "audio")}  # fmt: skip
+        # what a decode step feeds besides ids and positions (a language program's decode
+        # specialization takes a one-row vision_embeds and image_idx, zeros)
+        self.decode_media = decode_media(graphs["decode"])
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
         # the checkpoint's generation_config.json (copied into the export), else config.json
         self.generation_config = generation_config(self.folder)
@@ -302,7 +287,7 @@ class Runner:
         ids = np.zeros((rows, 1), np.int32)
         pos = np.full((rows, 1), -1, np.int32)
         ids[:n, 0], pos[:n, 0] = token, position
-        feed = {"input_ids": ids, "position_ids": pos}
+        feed = {"input_ids": ids, "position_ids": pos, **self.decode_media}
         if slots is not None:
             feed["batch_index"] = slot_column(slots, rows)
         return self._run("decode", feed)["logits"][:n, 0]

@@ -112,9 +112,12 @@ def test_generate_crosses_ccl_boundaries_with_transformers_tokens(exported, leng
 
 
 def _decode_session(out, seed):
-    """(onnxruntime session of the export's decode graph, {cache input: random float32 array}
+    """(a function of a decode step's feed (its caches, ids, positions and comp_ctx_lengths) →
+    logits, by the export's decode graph, or its language program at its decode
+    specialization (a one-row vision_embeds of zeros); {cache input: random float32 array}
     for its 2 rows)."""
-    session = ort.InferenceSession(str(out / "decode.onnx"))
+    one = (out / "language.onnx").exists()
+    session = ort.InferenceSession(str(out / ("language.onnx" if one else "decode.onnx")))
     rng = np.random.default_rng(seed)
     symbols = {"batch_size": 2, "ctx_len": CTX}
     caches = {
@@ -122,7 +125,12 @@ def _decode_session(out, seed):
         for i in session.get_inputs()
         if i.name.startswith("past_")
     }
-    return session, caches
+    hidden = (
+        next(i.shape[2] for i in session.get_inputs() if i.name == "vision_embeds") if one else 0
+    )
+    media = {"vision_embeds": np.zeros((2, 1, hidden), np.float32),
+             "image_idx": np.zeros((2, 1), np.int32)} if one else {}  # fmt: skip
+    return lambda feed: session.run(["logits"], {**feed, **media})[0], caches
 
 
 def test_a_graph_reads_no_slot_at_or_past_its_ccl(exported):
@@ -140,7 +148,7 @@ def test_a_graph_reads_no_slot_at_or_past_its_ccl(exported):
             nan_feed[name][:, :, 36:] = np.nan
 
     def logits(f, k):
-        return session.run(["logits"], {**f, "comp_ctx_lengths": np.zeros(k, np.int64)})[0]
+        return session({**f, "comp_ctx_lengths": np.zeros(k, np.int64)})
 
     cut = logits(nan_feed, 36)
     assert np.isfinite(cut).all()
@@ -161,7 +169,7 @@ def test_the_last_position_a_ccl_holds_is_k_minus_1(exported):
             position_ids=np.full((2, 1), position, np.int32),
             comp_ctx_lengths=np.zeros(k, np.int64),
         )
-        return session.run(["logits"], feed)[0]
+        return session(feed)
 
     np.testing.assert_allclose(logits(35, 36), logits(35, CTX), rtol=0, atol=1e-5)
     assert np.abs(logits(36, 36) - logits(36, CTX)).max() > 1e-3
@@ -172,16 +180,21 @@ def test_specializations_manifest_and_verify_cover_every_ccl(exported):
     comp_ctx_lengths; the input is int64 [comp_ctx_lengths]; verify checks each of them (the
     blocked export layer by layer)."""
     _, out = exported
-    for phase, ccls in (("prefill", (*PREFILL, CTX)), ("decode", (*DECODE, CTX))):
-        specs = json.loads((out / f"{phase}.specializations.json").read_text())["specializations"]
-        assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == [str(k) for k in ccls]
-        assert all(s["name"].endswith(f"_ccl{k}") for s, k in zip(specs, ccls, strict=True))
     manifest = json.loads((out / "manifest.json").read_text())
     graphs = {g["kind"]: g for g in manifest["graphs"]}
-    assert graphs["decode"]["options"]["comp_ctx_lengths"] == [*DECODE, CTX]
-    ccl = next(t for t in graphs["decode"]["inputs"] if t["name"] == "comp_ctx_lengths")
+    one = "language" in graphs  # prefill and decode specializations of one program
+    for phase, ccls in (("prefill", (*PREFILL, CTX)), ("decode", (*DECODE, CTX))):
+        name = "language" if one else phase
+        specs = json.loads((out / f"{name}.specializations.json").read_text())["specializations"]
+        specs = [s for s in specs if s["name"].startswith(phase)]
+        assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == [str(k) for k in ccls]
+        assert all(s["name"].endswith(f"_ccl{k}") for s, k in zip(specs, ccls, strict=True))
+    decode = graphs["language" if one else "decode"]
+    lengths = decode["options"]["decode_comp_ctx_lengths" if one else "comp_ctx_lengths"]
+    assert lengths == [*DECODE, CTX]
+    ccl = next(t for t in decode["inputs"] if t["name"] == "comp_ctx_lengths")
     assert (ccl["dtype"], ccl["shape"]) == ("int64", ["comp_ctx_lengths"])
-    blocked = graphs["decode"]["options"]["mode"] != "none"  # layer by layer there (a minute)
+    blocked = decode["options"]["mode"] != "none"  # layer by layer there (a minute)
     rows = verify(out, seed=2, check_shards=False, layerwise_given=blocked or None)
     checked = {r[1] for r in rows}
     assert {f"decode_ccl{k}" for k in (*DECODE, CTX)} <= checked
@@ -225,7 +238,10 @@ def test_serve_follows_the_occupied_slots_only(served):
         np.testing.assert_array_equal(g, w, err_msg="\n".join(timeline))
     decoded = [k for kind, k in runner.ccl_steps if kind == "decode"]
     assert 72 in decoded and decoded[-1] < 72, decoded  # down once the long request left
-    assert not runner.ccls["prefill"]  # a phase given no list takes no comp_ctx_lengths
+    # a phase given no list takes no comp_ctx_lengths; in one program (the dense decode) the
+    # graph takes it at every specialization, ctx_len at prefill's
+    one = runner.programs["prefill"] is runner.programs["decode"]
+    assert runner.ccls["prefill"] == ((CTX,) if one else ())
 
 
 def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
@@ -247,8 +263,12 @@ def test_run_command_takes_the_options(hf_saved, tmp_path, capsys):
     assert main(run) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.endswith(",".join(str(int(t)) for t in want))
-    specs = json.loads((out / "decode.specializations.json").read_text())["specializations"]
-    assert [s["symbols"]["comp_ctx_lengths"] for s in specs] == ["16", "32", "96"]
+    specs = json.loads((out / "language.specializations.json").read_text())["specializations"]
+    # one program: prefill given no lengths binds ctx_len, decode each of its own
+    assert [(s["name"], s["symbols"]["comp_ctx_lengths"]) for s in specs] == [
+        ("prefill_70_ccl96", "96"), ("decode_ccl16", "16"), ("decode_ccl32", "32"),
+        ("decode_ccl96", "96"),
+    ]  # fmt: skip
 
 
 def test_disaggregated_sides_each_take_their_own_lists(hf_saved, tmp_path):

@@ -3,6 +3,7 @@ exported graphs against independent oracles: transformers' Gemma 4 vision model 
 attention, and the dense attention reference for every blocking mode, on hypothesis-drawn
 configs and shapes."""
 
+import contextlib
 import json
 import os
 
@@ -24,6 +25,7 @@ from codegen.export.command import ExportOptions, export
 from codegen.export.defaults import DEFAULT_CONFIG, default_checkpoint
 from codegen.folder import external
 from codegen.graphs import attention as attention_graph
+from codegen.lower import trace as trace_module
 from codegen.lower.trace import trace
 from ref.blocking import DENSE_NAMES, default_options
 from ref.blocking import names as blocking_names
@@ -58,20 +60,27 @@ def _spec(fn, inputs, outputs, weights, specializations):
     )
 
 
-def test_shape_check_catches_jax2onnx_symbolic_concat():
+def test_shape_check_catches_jax2onnx_symbolic_concat(monkeypatch):
+    """jax2onnx 0.17.1's `jnp.concatenate` declares the first operand's size along a symbolic
+    axis: the trace patches it (`_concatenated_symbolic_sizes`), and without the patch the
+    shape check catches the wrong declaration."""
+
     def fn(x, y, w):
         return (jnp.concatenate([x, y], axis=0) * w,)
 
     spec = _spec(
         fn,
         (graphs.Tensor("x", ("n", 4), "float32"), graphs.Tensor("y", ("m", 4), "float32")),
-        (graphs.Tensor("out", ("n+m", 4), "float32"),),
+        (graphs.Tensor("out", ("n + m", 4), "float32"),),  # the size as jax2onnx labels it
         ["w"],
-        ({"name": "s", "symbols": {"n": 2, "m": 3, "n+m": 5}},),
+        ({"name": "s", "symbols": {"n": 2, "m": 3, "n + m": 5}},),
     )
+    slices = checks.no_unclamped_dynamic_slice(spec, {"w": (4,)})
+    checks.inferred_shapes(trace(spec, {"w": _Info((4,))}), spec, slices)
+    monkeypatch.setattr(trace_module, "_concatenated_symbolic_sizes", contextlib.nullcontext)
     model = trace(spec, {"w": _Info((4,))})
     with pytest.raises(checks.CheckError, match=r"ref gives \(5, 4\), graph declares \(2, 4\)"):
-        checks.inferred_shapes(model, spec, checks.no_unclamped_dynamic_slice(spec, {"w": (4,)}))
+        checks.inferred_shapes(model, spec, slices)
 
 
 def test_shape_check_passes_a_right_graph_and_catches_a_wrong_spec():

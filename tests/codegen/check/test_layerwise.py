@@ -34,6 +34,14 @@ from weights import open_checkpoint
 LAYERED = ("vision", "prefill", "decode")
 DOWN_PROJ = {"vision": "mlp.down_proj.linear.weight"}  # the tower's clipped linears
 
+# `ref`'s device model of the whole graph and of each layer alone: one program jitted whole and
+# one per layer, whose float32 matmuls XLA may accumulate in another order, then rounded to
+# float16. Measured on an AVX-512/AMX host (2026-12-07): a layer's peak 88.3125 against
+# 88.5625 (4 float16 ulps), an output's error to float32 0.00745 against 0.00712; identical on
+# the hosts before. A wrong layer or a wrong cache moves them by far more.
+PEAK_ULPS = 2**-7  # relative: 8 float16 ulps
+ERRORS = 1e-3
+
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
@@ -208,9 +216,9 @@ def test_precision_layer_by_layer_gives_the_whole_graph_report(out):
     """`verify --precision` layer by layer (device-model passes per segment and per layer
     call) against the whole-graph device model on the blocked prefill (query chunks × KV
     blocks, vision merge, retained state), KV inputs stored as float16: the same layers and
-    peaks (the same operations on the same values), the same ONNX peak, errors to float32
-    within 1e-4 of each other (their float32 oracles differ: the exported composition jitted,
-    the dense reference sliced)."""
+    peaks (the same operations on the same values) within PEAK_ULPS, the same ONNX peak, errors
+    to float32 within ERRORS of each other (their float32 oracles differ: the exported
+    composition jitted, the dense reference sliced)."""
     from codegen.check.precision import verify_precision
 
     runs = {
@@ -230,12 +238,12 @@ def test_precision_layer_by_layer_gives_the_whole_graph_report(out):
         assert dict(whole["layers"]).keys() == dict(layered["layers"]).keys()
         peaks = dict(layered["layers"])
         for name, a in whole["layers"]:
-            assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
+            assert abs(a - peaks[name]) <= PEAK_ULPS * a, (name, a, peaks[name])
         assert abs(whole["onnx_max"] - layered["onnx_max"]) <= 1e-6 * whole["onnx_max"]
         assert whole["ref_nonfinite"] is layered["ref_nonfinite"] is None
         assert whole["onnx_nonfinite"] is layered["onnx_nonfinite"] is None
         for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
-            assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
+            assert o == o2 and abs(a - c) <= ERRORS and abs(b - d) <= ERRORS, (o, a, b, c, d)
             assert 0 < max(a, b) < 3e-2 or o == "image_idx_output", (o, a, b)
 
 
@@ -308,7 +316,7 @@ def test_each_cache_is_drawn_when_its_layer_is_reached(single, monkeypatch):
 def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypatch):
     """`verify --precision` layer by layer on the decode graph without continuous batching
     (caches drawn inside the passes, the float32 outputs kept on disk past SPILL_BYTES) gives
-    the whole-graph report: same layers and peaks, errors within 1e-4."""
+    the whole-graph report: same layers, peaks within PEAK_ULPS, errors within ERRORS."""
     from codegen.check.precision import verify_precision
 
     monkeypatch.setattr(layerwise, "SPILL_BYTES", 0)
@@ -335,9 +343,9 @@ def test_precision_layer_by_layer_draws_caches_at_their_layers(single, monkeypat
     assert dict(whole["layers"]).keys() == dict(layered["layers"]).keys()
     peaks = dict(layered["layers"])
     for name, a in whole["layers"]:
-        assert abs(a - peaks[name]) <= 1e-6 * a, (name, a, peaks[name])
+        assert abs(a - peaks[name]) <= PEAK_ULPS * a, (name, a, peaks[name])
     for (o, a, b), (o2, c, d) in zip(whole["errors"], layered["errors"], strict=True):
-        assert o == o2 and abs(a - c) <= 1e-4 and abs(b - d) <= 1e-4, (o, a, b, c, d)
+        assert o == o2 and abs(a - c) <= ERRORS and abs(b - d) <= ERRORS, (o, a, b, c, d)
 
 
 @pytest.mark.parametrize("score_bytes", [1 << 28, 64])

@@ -90,13 +90,13 @@ def test_the_measured_plan_gives_float32_tokens_and_no_plan_does_not(tmp_path, c
     out = tmp_path / "out"
     model = _overflowing_vlm(tmp_path / "ckpt")
     export(ExportOptions(out=out, model=model, budgets=(70,), verify=False), log=lambda m: None)
-    # decode's plan: the layer-by-layer test's graph
-    plan_args = ["--write-npi", "--graph", "vision", "--graph", "prefill"]
+    # the language program: prefill and decode specializations of one graph
+    plan_args = ["--write-npi", "--graph", "vision", "--graph", "language"]
     assert main(["verify", str(out), "--precision", "fp16", *plan_args]) == 0
     report = capsys.readouterr().out
     assert "vision: 2 node(s) in float32 (4 in all calls)" in report, report
-    assert "prefill: 0 node(s)" in report, report
-    assert (out / "vision.npi.yaml").exists() and not (out / "prefill.npi.yaml").exists()
+    assert "language: 0 node(s)" in report, report
+    assert (out / "vision.npi.yaml").exists() and not (out / "language.npi.yaml").exists()
     graph = onnx.load(out / "vision.onnx", load_external_data=False)
     # the GELU cube by its body name (kept in all three calls), the standardize Sub at the top
     plan = ["Layer/gelu_mul_1", "sub_out_1"]

@@ -82,21 +82,21 @@ def test_default_export_writes_and_verifies_every_mode(exported):
     from ref.blocking import names as blocking_names
 
     modes = [n for n in blocking_names() if n not in DENSE_NAMES] + ["none"]
-    assert names == {"vision", "prefill", "decode"} | {f"attention_{mode}" for mode in modes}
+    assert names == {"vision", "language"} | {f"attention_{mode}" for mode in modes}
     rows = verify(out, seed=1)  # fresh random inputs, not the export's own
     assert all(ok for *_, ok in rows), [r for r in rows if not r[-1]]
     assert {(g, s) for g, s, *_ in rows} >= {
         ("vision", "vision_70"),
         ("vision", "vision_140"),
-        ("prefill", "prefill_70"),
-        ("prefill", "prefill_140"),
-        ("decode", "decode"),
+        ("language", "prefill_70"),
+        ("language", "prefill_140"),
+        ("language", "decode"),
     }
     assert max(r[4] for r in rows) < 1e-5
     # checking some specializations gives their rows of the whole check, inputs unchanged (a
     # graph with none of them chosen, vision here, is left out)
     chosen = {"prefill_70"}
-    some = verify(out, seed=1, graphs=["vision", "prefill"], specializations=sorted(chosen))
+    some = verify(out, seed=1, graphs=["vision", "language"], specializations=sorted(chosen))
     assert some == [r for r in rows if r[1] in chosen]
 
 
@@ -139,18 +139,29 @@ def test_qaic_artifacts(exported):
         "symbols": {"num_patches": "630", "vision_size": "70"},
     }
     # layers 0 and 1 own their caches; 2 and 3 read theirs (KV sharing) and have none
-    for graph in ("attention_kv", "prefill", "decode"):
+    for graph in ("attention_kv", "language"):
         io = (out / f"{graph}.custom_io.yaml").read_text()
         for i in (0, 1):
             for kind in ("key", "value"):
                 assert f"IOName: past_{kind}.{i}\n" in io
                 assert f"IOName: past_{kind}.{i}_RetainedState\n" in io
         assert "past_key.2" not in io and "past_key.3" not in io
-    prefill = json.loads((out / "prefill.specializations.json").read_text())
-    assert prefill["specializations"][1] == {
-        "name": "prefill_140",
-        "symbols": {"batch_size": "1", "seq_len": "128", "ctx_len": "256", "vision_size": "140"},
-    }
+    language = json.loads((out / "language.specializations.json").read_text())
+    assert language["specializations"][1:] == [
+        {
+            "name": "prefill_140",
+            "symbols": {
+                "ctx_len": "256",
+                "batch_size": "1",
+                "seq_len": "128",
+                "vision_size": "140",
+            },
+        },
+        {
+            "name": "decode",
+            "symbols": {"ctx_len": "256", "batch_size": "1", "seq_len": "1", "vision_size": "1"},
+        },
+    ]
     script = (out / "compile.sh").read_text()
     lines = [line for line in script.splitlines() if line.startswith("qaic-compile")]
     assert len(lines) == len(m["graphs"])
@@ -261,7 +272,7 @@ def test_readme_tour_runs_as_shown(exported, cache, tmp_path, monkeypatch, capsy
         if argv[0] == "export":
             head = next(i for i, line in enumerate(printed) if line.split()[-1:] == ["ok"])
             verified = [line.split() for line in printed[head + 1 :] if line.strip()]
-            assert {r[0] for r in verified} == {"vision", "prefill", "decode"}
+            assert {r[0] for r in verified} == {"vision", "language"}
             assert all(r[-1] == "ok" for r in verified) and len(verified) >= 10
             assert manifest(tmp_path / "cb")["options"]["verify"] is True
 
@@ -342,7 +353,7 @@ def test_no_subfunctions_inlines_the_same_math(exported, cache, tmp_path):
     assert all(ok for *_, ok in rows)
     # one function per distinct layer: the vision layer; a sliding and a full attention layer;
     # sliding and full decoder layers, each owning its cache or sharing one
-    for name, count in (("vision", 1), ("attention_kv", 2), ("prefill", 4), ("decode", 4)):
+    for name, count in (("vision", 1), ("attention_kv", 2), ("language", 4)):
         inline = onnx.load(out / f"{name}.onnx", load_external_data=False)
         fns = onnx.load(exported[1] / f"{name}.onnx", load_external_data=False)
         assert not inline.functions and len(fns.functions) == count
@@ -507,6 +518,7 @@ def test_help_documents_every_option(capsys):
         "full_batch_size": "--full-batch-size",
         "num_devices": "--num-devices",
         "phases": "--prefill-only",
+        "split_programs": "--split-programs",
         "vision_tiles": "--vision-tiles",
         "audio_budgets": "--audio-budgets",
         "audio_clips": "--audio-clips",
@@ -540,3 +552,49 @@ def test_export_options_left_out_take_export_options_defaults(monkeypatch, tmp_p
     assert opts == ExportOptions(out=tmp_path / "o", blocking=opts.blocking)
     assert main(["export", "--out", str(tmp_path / "o"), "--seq-len", "64", "--no-verify"]) == 2
     assert (seen["opts"].seq_len, seen["opts"].verify, seen["opts"].ctx_len) == (64, False, 256)
+
+
+@pytest.mark.parametrize(
+    ("options", "names", "why"),
+    [
+        ({}, ["vision", "language"], None),
+        (dict(split_programs=True), ["vision", "prefill", "decode"], "--split-programs"),
+        (dict(phases=("prefill",)), ["vision", "prefill"], "--prefill-only"),
+        (dict(prefill_blocking=("qkv", {"num_kv_blocks": 2})), ["vision", "prefill", "decode"],
+         "prefill blocking 'qkv' plans its blocks"),
+        (dict(decode_blocking=("kv_headpar", {"num_kv_blocks": 2})),
+         ["vision", "prefill", "decode"], "decode blocking 'kv_headpar'"),
+        (dict(full_batch_size=2, decode_blocking=("kv_batch_fold", {"num_kv_blocks": 2})),
+         ["vision", "prefill", "decode"], "decode blocking 'kv_batch_fold'"),
+    ],
+)  # fmt: skip
+def test_one_language_program_where_the_phases_share_a_graph(cache, options, names, why):
+    """By default prefill and decode are one `language` program (prefill and decode
+    specializations of one graph, one retained state); two programs where a phase's blocking
+    plans its blocks from the step's sizes, on --split-programs, or in a one-phase export,
+    each named by its reason."""
+    from codegen.export.specs import _language_options, graph_specs, one_program
+    from codegen.graphs import text_config
+    from weights import open_checkpoint
+
+    checkpoint = open_checkpoint(cache)
+    opts = ExportOptions(out=None, budgets=(70,), **options)
+    assert [s.name for s in graph_specs(checkpoint, opts)] == names
+    cfg = text_config(checkpoint.config)
+    asked = _language_options(opts, cfg, False, 0)
+    split = one_program(opts, asked, False)
+    assert split is None if why is None else split.startswith(why), split
+
+
+def test_moe_pairs_that_take_other_paths_stay_two_programs():
+    """MoE: one program only with one mode in both phases that is not nsp (its chunks are cut
+    from the step's token count); QEfficient's default pair, prefill nsp and decode gather,
+    stays two programs."""
+    from codegen.graphs.language import one_program_refusal
+
+    dense = ("none", {})
+    assert one_program_refusal(dense, dense, "gather", "gather", False) is None
+    assert one_program_refusal(dense, dense, "dense", "dense", False) is None
+    assert "take different paths" in one_program_refusal(dense, dense, "nsp", "gather", False)
+    assert "nsp cuts its chunks" in one_program_refusal(dense, dense, "nsp", "nsp", False)
+    assert "folds the batch" in one_program_refusal(dense, dense, "dense", "dense", True)

@@ -182,11 +182,11 @@ def _tampered(exported, tmp_path, how):
     elif how == "missing":
         shard.unlink()
     elif how == "offset moved":
-        model = onnx.load(folder / "decode.onnx", load_external_data=False)
+        model = onnx.load(folder / "language.onnx", load_external_data=False)
         t = next(t for t in model.graph.initializer if t.external_data)
         entry = next(e for e in t.external_data if e.key == "offset")
         entry.value = str(int(entry.value) + 2)
-        (folder / "decode.onnx").write_bytes(model.SerializeToString())
+        (folder / "language.onnx").write_bytes(model.SerializeToString())
     return folder
 
 
@@ -196,7 +196,7 @@ def _tampered(exported, tmp_path, how):
         ("byte flipped", "blake3 differs"),
         ("truncated", "bytes, manifest.json records"),
         ("missing", "missing (manifest.json lists it)"),
-        ("offset moved", "decode.onnx: weight"),
+        ("offset moved", "language.onnx: weight"),
     ],
 )
 @pytest.mark.parametrize("command", ["run", "verify"])
