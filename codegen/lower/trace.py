@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import onnx
 import onnx_ir as ir
-from jax import core, lax
 from jax import export as jax_export
+from jax import lax
 from jax2onnx import to_onnx
 from jax2onnx.converter import (
     conv_transpose_bias_folding,
@@ -255,7 +255,7 @@ def _full_of(patched):
 
     def full(shape, fill_value, dtype=None, **kw):
         dims = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-        if kw or all(core.is_constant_dim(d) for d in dims):
+        if kw or all(isinstance(d, (int, np.integer)) for d in dims):
             return patched(shape, fill_value, dtype, **kw)
         return lax.full(dims, fill_value, dtype)
 

@@ -245,16 +245,26 @@ def test_sampled_rows_draw_as_their_rows_do_without_slots(served):
     np.testing.assert_array_equal(rows[0], alone[0])
 
 
-@pytest.mark.parametrize("layout", ["served", "folded_served"])
-def test_kv_crosses_the_host_only_in_declared_handoffs(layout, request, capsys):
+def test_one_program_moves_no_kv_byte(served, capsys):
     """The device's rules (`codegen.run.device`): with requests arriving mid-decode over 3
-    slots, one language program (`served`) moves no KV byte; where prefill and decode are two
-    programs (a batch-folded decode), the cache crosses the host only when the other program
-    reads it next, whole, once out and once in. Every other call moves ids, positions, soft
-    tokens and logits only. `serve --stats` prints the table."""
-    _, runner = request.getfixturevalue(layout)
-    one = runner.programs["prefill"] is runner.programs["decode"]
-    assert one == (layout == "served")
+    slots, one language program moves no KV byte; every call moves ids, positions, soft tokens
+    and logits only. `serve --stats` prints the table."""
+    _, runner = served
+    assert runner.programs["prefill"] is runner.programs["decode"]
+    _check_transfers(runner, True, capsys)
+
+
+def test_two_programs_hand_the_kv_over_whole_at_each_switch(folded_served, capsys):
+    """Where prefill and decode are two programs (a batch-folded decode), the cache crosses
+    the host only when the other program reads it next: whole, once out and once in."""
+    _, runner = folded_served
+    assert runner.programs["prefill"] is not runner.programs["decode"]
+    _check_transfers(runner, False, capsys)
+
+
+def _check_transfers(runner, one, capsys):
+    """Serve requests arriving mid-decode; KV crosses in handoffs only (none in one program),
+    logits as each decode step's; `serve --stats` prints the table."""
     rng = np.random.default_rng(21)
     requests = [Request(prompt(rng, n, [], 96), [], 5, arrival=a)
                 for n, a in ((6, 0), (9, 0), (4, 2), (7, 3), (5, 3))]  # fmt: skip
