@@ -109,13 +109,16 @@ def prompt(rng, length, images, vocab):
     return np.array(ids + text[start:], np.int64)
 
 
-def hf_generate(model, ids, patches, grids, max_new_tokens, eos="model"):
+def hf_generate(model, ids, patches, grids, max_new_tokens, eos="model", **generation):
     """Greedy generation for one prompt, as transformers ends it: (new tokens [N], N ≤
-    max_new_tokens, ending at the first stop id; per-step logits [N, V]).
+    max_new_tokens, ending at the first stop id; per-step logits [N, V], before any logits
+    processor).
 
     eos: "model" (the model's generation_config: Gemma 4's `<eos>` 1), a stop id or a list of
-    them, or None (never stop)."""
+    them, or None (never stop); generation: further generation_config fields (e.g.
+    suppress_tokens)."""
     kwargs = {} if eos == "model" else {"eos_token_id": eos}
+    kwargs.update(generation)
     if grids:
         kwargs["pixel_values"], kwargs["image_position_ids"] = hf_padded_inputs(patches, grids)
     input_ids = torch.from_numpy(ids)[None]

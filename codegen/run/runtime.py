@@ -125,6 +125,8 @@ class Runner:
         self.generation_config = generation_config(self.folder)
         self.stop = decoding.stop_ids(self.generation_config, self.checkpoint.config)
         self.pad = decoding.pad_id(self.generation_config, self.checkpoint.config)
+        # ids never chosen (generation_config's suppress_tokens, begin_suppress_tokens)
+        self.suppress = decoding.Suppress.from_generation_config(self.generation_config)
 
     def generate(
         self, prompts, images=(), *, audios=(), max_new_tokens, log=None, stop=None,
@@ -167,21 +169,24 @@ class Runner:
             return np.stack(
                 [np.pad(t, (0, width - len(t)), constant_values=self.pad) for t in tokens]
             )
-        if self.drafts and sampling is None:
+        if self.drafts and sampling is None and not self.suppress:
             return speculation.generate(self, rows, images, audios, log=log, stop=stop,
                                         max_new_tokens=max_new_tokens, emit=emit)  # fmt: skip
         if self.drafts:
-            log("sampling: the decode graph, a token per call (speculation is greedy here)")
+            log("the decode graph, a token per call: the speculate graph's round takes the "
+                "argmax, neither sampled nor with suppressed ids")  # fmt: skip
         stopper = decoding.Stopper(self.stop if stop is None else stop, self.pad, len(rows))
         self.start()
         logits = self.prefill(rows, list(images), None, log, audios)
-        tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0), emit)]
+        tokens = [self._emit(stopper, decoding.choose(logits, sampling, 0, None, self.suppress),
+                             emit)]  # fmt: skip
         position = np.array([len(r) for r in rows], np.int32)
         for n in range(1, max_new_tokens):
             if stopper.done:
                 break
             logits = self.decode(tokens[-1], position, None)
-            tokens.append(self._emit(stopper, decoding.choose(logits, sampling, n), emit))
+            chosen = decoding.choose(logits, sampling, n, None, self.suppress)
+            tokens.append(self._emit(stopper, chosen, emit))
             position = position + 1
             log(f"decode step {n + 1}/{max_new_tokens}{self.ccl_note('decode')}")
         return np.stack(tokens, axis=1)

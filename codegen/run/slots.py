@@ -52,7 +52,9 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
     runner.start()
     # speculation (an export with an assistant) when every request is greedy
     greedy = all(r.sampling is None for r in requests)
-    spec = Slots(runner.slots, runner.drafts, runner.pad) if runner.drafts and greedy else None
+    # (its round takes the argmax: no suppressed ids)
+    speculate = runner.drafts and greedy and not runner.suppress
+    spec = Slots(runner.slots, runner.drafts, runner.pad) if speculate else None
     waiting, slot_of, tokens, timeline = list(range(len(requests))), {}, {}, []
     position, last = {}, np.zeros(runner.slots, np.int32)
     t = 0
@@ -70,7 +72,8 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
             logits = runner.prefill(rows, images, slots, log, audios)
             for r, s, row_logits in zip(group, slots, logits, strict=True):
                 waiting.remove(r)
-                token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0)
+                token = decoding.draw(row_logits, requests[r].sampling, requests[r].row, 0,
+                                      runner.suppress)  # fmt: skip
                 slot_of[r], last[s], tokens[r] = s, token, [token]
                 if spec is not None:
                     spec.join(s)
@@ -90,7 +93,7 @@ def serve(runner, requests, *, log=None, stop=None, emit=None):
             for r in decoding_now:
                 s = slot_of[r]
                 n, row = len(tokens[r]), requests[r].row
-                last[s] = decoding.draw(logits[s], requests[r].sampling, row, n)
+                last[s] = decoding.draw(logits[s], requests[r].sampling, row, n, runner.suppress)
                 tokens[r].append(int(last[s]))
                 emit(r, int(last[s]))
             slots_now = sorted(slot_of[r] for r in decoding_now)

@@ -15,6 +15,11 @@ and the ONNX runner (`codegen run`, `serve`) share.
   The n-th token of row r draws from its own generator, seeded by (seed, r, n): a request's
   tokens depend on its seed alone, not on the batch or the slot it runs in (`serve` draws each
   request as row 0).
+- **Suppressed ids.** generation_config.json's `suppress_tokens` can never be chosen, and its
+  `begin_suppress_tokens` not as the first generated token (`Suppress`): their logits are
+  −inf before the warpers and the argmax, as transformers' `SuppressTokensLogitsProcessor`
+  and `SuppressTokensAtBeginLogitsProcessor` set them (the 12B-it suppresses its end of
+  audio and end of image, 258883 and 258882). An id past the vocabulary is ignored, as there.
 """
 
 from dataclasses import dataclass
@@ -55,14 +60,43 @@ class Sampling:
         return cls(**found)
 
 
-def _as_ids(value):
+@dataclass(frozen=True)
+class Suppress:
+    """Ids no step may choose (`every`), and ids the first generated token may not be
+    (`first`); empty: nothing suppressed."""
+
+    every: tuple = ()
+    first: tuple = ()
+
+    @classmethod
+    def from_generation_config(cls, generation_config=None):
+        """generation_config.json's `suppress_tokens` and `begin_suppress_tokens` (absent or
+        null: none)."""
+        g = generation_config or {}
+        every = _as_ids(g.get("suppress_tokens"), "suppress_tokens")
+        first = _as_ids(g.get("begin_suppress_tokens"), "begin_suppress_tokens")
+        return cls(tuple(every), tuple(first))
+
+    def __bool__(self):
+        return bool(self.every or self.first)
+
+    def __call__(self, logits, step):
+        """logits [..., V] with −inf at the ids suppressed at generated token `step` (0: the
+        first), float32; ids ≥ V ignored."""
+        ids = [i for i in self.every + (self.first if step == 0 else ()) if i < logits.shape[-1]]
+        out = np.array(logits, np.float32)
+        out[..., ids] = -np.inf
+        return out
+
+
+def _as_ids(value, name="eos_token_id"):
     """One id, a list of ids, or None → a list of ints."""
     if value is None:
         return []
     values = value if isinstance(value, list | tuple) else [value]
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"eos_token_id {value!r}: expected an id >= 0 or a list of them")
+            raise ValueError(f"{name} {value!r}: expected an id >= 0 or a list of them")
     return list(values)
 
 
@@ -108,9 +142,11 @@ def warp(logits, sampling):
     return z
 
 
-def draw(logits, sampling, row, step):
+def draw(logits, sampling, row, step, suppress=None):
     """One token of one row: argmax without sampling, else a draw from the warped softmax with
-    the generator of (seed, row, step). logits: [V] → int."""
+    the generator of (seed, row, step); never a `suppress`ed id. logits: [V] → int."""
+    if suppress:  # None or an empty Suppress: nothing suppressed
+        logits = suppress(logits, step)
     if sampling is None:
         return int(np.argmax(logits))
     z = warp(logits, sampling)
@@ -120,13 +156,14 @@ def draw(logits, sampling, row, step):
     return int(min(np.searchsorted(cumulative, u * cumulative[-1], side="right"), z.size - 1))
 
 
-def choose(logits, sampling, step, rows=None):
+def choose(logits, sampling, step, rows=None, suppress=None):
     """The next token of each row. logits: [B, V]; rows: each row's index for its generator
-    (default 0 … B−1) → [B] int32."""
+    (default 0 … B−1); suppress: a `Suppress` (None: nothing suppressed) → [B] int32."""
     logits = np.asarray(logits)
     rows = range(len(logits)) if rows is None else rows
     return np.array(
-        [draw(x, sampling, r, step) for x, r in zip(logits, rows, strict=True)], np.int32
+        [draw(x, sampling, r, step, suppress) for x, r in zip(logits, rows, strict=True)],
+        np.int32,
     )
 
 

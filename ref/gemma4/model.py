@@ -78,7 +78,8 @@ class Gemma4:
     over by `ref.sharding.RULES` (leaves are read block by block: see `sharding.put`), with
     any axis names; an explicit-axis mesh (`jax.make_mesh`'s default) is used with Auto axes
     (`sharding.auto_axes`); stop: the stop ids (`ref.gemma4.decoding.stop_ids`), pad: the
-    id a finished row is padded with.
+    id a finished row is padded with; suppress: the ids generation never chooses
+    (`ref.gemma4.decoding.Suppress`).
     """
 
     media = GEMMA4_MEDIA  # how its processor reads pixels and samples
@@ -95,9 +96,11 @@ class Gemma4:
         stop=(),
         pad=0,
         audio=None,
+        suppress=None,
     ):
         self.config = text_config
         self.stop, self.pad = tuple(stop), int(pad)
+        self.suppress = suppress or decoding.Suppress()
         self.tokens = tokens
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh = sharding.auto_axes(mesh)
@@ -127,7 +130,7 @@ class Gemma4:
         `lm_head.weight`, `model.vision_tower`/`model.embed_vision` for images, and
         `model.audio_tower`/`model.embed_audio` where the config has an `audio_config`); mesh: see
         the class; generation_config: the checkpoint's generation_config.json as a dict (its
-        stop and pad ids; None: config.json's)."""
+        stop, pad and suppressed ids; None: config.json's stop and pad ids)."""
         if hf_config.get("model_type") == "gemma4_unified":
             raise ValueError(
                 "model_type='gemma4_unified': load it with unified_model.Gemma4Unified"
@@ -150,7 +153,8 @@ class Gemma4:
         stop = decoding.stop_ids(generation_config, hf_config)
         pad = decoding.pad_id(generation_config, hf_config)
         tokens = prompt_tokens(hf_config)
-        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio)
+        suppress = decoding.Suppress.from_generation_config(generation_config)
+        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio, suppress)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None, generation_config=None):
@@ -304,6 +308,11 @@ class Gemma4:
                                   vision_ids=c.vision_token_ids, audio_ids=audio_ids)  # fmt: skip
         if vision_embeds is not None:
             vision_embeds = jnp.asarray(vision_embeds, self.dtype)
+        if assistant is not None and self.suppress:
+            raise ValueError(
+                f"suppressed ids {self.suppress}: speculative decoding accepts the target's "
+                "argmax in its round, which does not suppress them; generate without assistant"
+            )
         drafts = speculative.drafts_for(assistant, num_speculative_tokens, sampling, self)
         ctx_len = int(lengths.max()) + max_new_tokens + drafts
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
@@ -377,7 +386,9 @@ class Gemma4:
     def _decode(self, cache, logits, lengths, max_new_tokens, attention, stopper, sampling, moe):
         """Tokens from the prompt's last logits, one decode step each, until max_new_tokens or
         every row has stopped → [B, N]."""
-        tokens = [stopper(decoding.choose(np.asarray(logits, np.float32), sampling, 0))]
+        suppress = self.suppress
+        first = decoding.choose(np.asarray(logits, np.float32), sampling, 0, None, suppress)
+        tokens = [stopper(first)]
         position = jnp.asarray(lengths, jnp.int32)
         for n in range(1, max_new_tokens):
             if stopper.done:
@@ -386,7 +397,7 @@ class Gemma4:
             out = self._run(cache, token[:, None], position[:, None], attention=attention, moe=moe)
             cache, position = out["cache"], position + 1
             logits = np.asarray(out["logits"][:, 0], np.float32)
-            tokens.append(stopper(decoding.choose(logits, sampling, n)))
+            tokens.append(stopper(decoding.choose(logits, sampling, n, None, suppress)))
         return np.stack(tokens, axis=1)
 
 

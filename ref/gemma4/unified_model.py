@@ -138,7 +138,8 @@ class Gemma4Unified(Gemma4):
         pad = decoding.pad_id(generation_config, hf_config)
         tokens = prompt_tokens(hf_config)
         vision, audio = parts
-        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio)
+        suppress = decoding.Suppress.from_generation_config(generation_config)
+        return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio, suppress)
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype=jnp.float32, mesh=None, generation_config=None):

@@ -315,3 +315,43 @@ def test_a_program_refuses_what_the_device_would(served):
         decode.run("decode", feed)
     with pytest.raises(RunError, match="the whole buffers"):
         decode.write_state("handoff", {name: decode.state[name]})
+
+
+def test_suppressed_ids_are_never_chosen_as_transformers_suppresses_them(served, tmp_path):
+    """generation_config.json's suppress_tokens (every step) and begin_suppress_tokens (the
+    first generated token), as the 12B-it sets them, with ids the model would otherwise emit:
+    `run`'s generate, `serve` and `ref`'s `Gemma4.generate` give transformers' `generate`
+    tokens with them suppressed; sampled rows never draw them."""
+    from ref.gemma4 import Gemma4
+    from ref.gemma4.decoding import Sampling
+    from tests.hf_vision import tree_of
+    from tests.text_oracle import top2_gap
+    from tests.util import folder_copy
+
+    hf, runner = served
+    ids = prompt(np.random.default_rng(31), 9, [], 96)
+    free, _ = hf_generate(hf, ids, [], [], 8, eos=None)
+    first = [int(free[0])]
+    every = sorted({int(t) for t in free[2:6]} - set(first))
+    assert every, free
+    given = {"suppress_tokens": every, "begin_suppress_tokens": first}
+    want, logits = hf_generate(hf, ids, [], [], 8, eos=None, **given)
+    assert not np.isin(want, every).any() and want[0] not in first, (free, want)
+    masked = logits.copy()
+    masked[:, every], masked[0, first] = -np.inf, -np.inf
+    assert top2_gap(masked) > MARGIN
+    copy = folder_copy(runner.folder, tmp_path)
+    generation = json.loads((copy / "generation_config.json").read_text()) | given
+    (copy / "generation_config.json").write_text(json.dumps(generation))
+    suppressed = Runner(copy, check_shards=False)
+    np.testing.assert_array_equal(suppressed.generate([ids], max_new_tokens=8, stop=())[0], want)
+    late = [Request(ids, [], 8), Request(ids, [], 8, arrival=2)]
+    for tokens in suppressed.serve(late, stop=())[0]:
+        np.testing.assert_array_equal(tokens, want)
+    sampled = suppressed.generate([ids] * 2, max_new_tokens=8, stop=(),
+                                  sampling=Sampling(top_k=0, seed=3))  # fmt: skip
+    assert not np.isin(sampled, every).any() and not np.isin(sampled[:, 0], first).any()
+    model = Gemma4.from_params(hf.config.to_dict(), tree_of(hf.state_dict()),
+                               generation_config=generation)  # fmt: skip
+    got = model.generate(ids[None], max_new_tokens=8, stop=())
+    np.testing.assert_array_equal(got[0], want)

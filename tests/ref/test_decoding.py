@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ref.gemma4.decoding import Sampling, Stopper, choose, draw, pad_id, stop_ids
+from ref.gemma4.decoding import Sampling, Stopper, Suppress, choose, draw, pad_id, stop_ids
 from tests.util import examples
 
 
@@ -138,3 +138,38 @@ def test_sampling_defaults_and_refusals():
     ]:
         with pytest.raises(ValueError, match=match):
             Sampling(**bad)
+
+
+@settings(max_examples=examples(20))
+@given(
+    logits=st.lists(st.floats(-5, 5), min_size=6, max_size=12),
+    every=st.sets(st.integers(0, 14), max_size=3),
+    first=st.sets(st.integers(0, 14), max_size=2),
+    step=st.integers(0, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_suppressed_ids_are_never_chosen(logits, every, first, step, seed):
+    """generation_config's suppress_tokens at every step and begin_suppress_tokens at the first
+    (ids past the vocabulary ignored, as transformers' processors ignore them): greedy takes
+    the argmax of the rest, sampling never draws them."""
+    v = len(logits)
+    barred = {i for i in every | (first if step == 0 else set()) if i < v}
+    suppress = Suppress.from_generation_config(
+        {"suppress_tokens": sorted(every), "begin_suppress_tokens": sorted(first)}
+    )
+    x = np.asarray(logits, np.float32)
+    if len(barred) < v:
+        rest = [i for i in range(v) if i not in barred]
+        assert draw(x, None, 0, step, suppress) == rest[int(np.argmax(x[rest]))]
+        sampled = draw(x, Sampling(top_k=0, seed=seed), 0, step, suppress)
+        assert sampled not in barred
+    assert choose(x[None], None, step, suppress=None)[0] == int(np.argmax(x))
+
+
+def test_suppress_reads_generation_config_and_refuses_bad_ids():
+    assert not Suppress.from_generation_config(None)
+    assert not Suppress.from_generation_config({"suppress_tokens": None})
+    twelve = {"suppress_tokens": [258883, 258882]}  # the 12B-it's generation_config.json
+    assert Suppress.from_generation_config(twelve) == Suppress((258883, 258882), ())
+    with pytest.raises(ValueError, match=r"begin_suppress_tokens \[-1\]: expected an id >= 0"):
+        Suppress.from_generation_config({"begin_suppress_tokens": [-1]})
