@@ -33,13 +33,17 @@ def lengths(entry, kind):
 
 
 def decode_media(entry):
-    """{input: zeros} a decode step of graph `entry` feeds besides ids, positions, slots and
-    compute context lengths: a language program's one-row `vision_embeds` and `image_idx`."""
+    """{input: array} a decode step of graph `entry` feeds besides ids, positions, slots and
+    compute context lengths: a language program's one-row `vision_embeds` (zeros) and
+    `image_idx` at its end (1: no soft token left, so a generated image id is text, as a
+    decode graph without vision inputs embeds it: `ref.gemma4.text.within_stream`)."""
     name = next(s["name"] for s in entry.specializations if s["name"].startswith("decode"))
     shapes = entry.shapes(name)
-    dtypes = {t.name: t.dtype for t in entry.inputs}
-    return {n: np.zeros(shapes[n], dtypes[n]) for n in ("vision_embeds", "image_idx")
-            if n in shapes}  # fmt: skip
+    if "vision_embeds" not in shapes:
+        return {}
+    rows, size, hidden = shapes["vision_embeds"]
+    return {"vision_embeds": np.zeros((rows, size, hidden), np.float32),
+            "image_idx": np.full(shapes["image_idx"], size, np.int32)}  # fmt: skip
 
 
 def kv_dtype(manifest):

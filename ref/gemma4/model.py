@@ -29,7 +29,7 @@ from ref.gemma4.kv_cache import init_cache
 from ref.gemma4.multimodal import GEMMA4_MEDIA, prompt_inputs, soft_rows
 from ref.gemma4.params import TEXT
 from ref.gemma4.prompts import GEMMA4_TOKENS, prompt_tokens
-from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs
+from ref.gemma4.schedule import chunk_arrays, chunk_bounds, image_runs, prompt_lengths
 from ref.gemma4.step import apply_step, check_step_values, step
 from ref.gemma4.text_config import TextConfig
 from ref.gemma4.tower import VisionTower, checkpoint_loader
@@ -296,7 +296,7 @@ class Gemma4:
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size={chunk_size!r}: expected None or an int >= 1")
         b, width = ids.shape
-        lengths = _lengths(lengths, b, width)
+        lengths = prompt_lengths(lengths, b, width)
         validate.token_ids(
             "input_ids", ids, self.config.vocab_size, valid=np.arange(width) < lengths[:, None]
         )
@@ -308,11 +308,6 @@ class Gemma4:
                                   vision_ids=c.vision_token_ids, audio_ids=audio_ids)  # fmt: skip
         if vision_embeds is not None:
             vision_embeds = jnp.asarray(vision_embeds, self.dtype)
-        if assistant is not None and self.suppress:
-            raise ValueError(
-                f"suppressed ids {self.suppress}: speculative decoding accepts the target's "
-                "argmax in its round, which does not suppress them; generate without assistant"
-            )
         drafts = speculative.drafts_for(assistant, num_speculative_tokens, sampling, self)
         ctx_len = int(lengths.max()) + max_new_tokens + drafts
         schedule = [chunk_bounds(len(r), ru, chunk_size) for r, ru in zip(rows, runs, strict=True)]
@@ -399,12 +394,3 @@ class Gemma4:
             logits = np.asarray(out["logits"][:, 0], np.float32)
             tokens.append(stopper(decoding.choose(logits, sampling, n, None, suppress)))
         return np.stack(tokens, axis=1)
-
-
-def _lengths(lengths, batch, width):
-    if lengths is None:
-        return np.full(batch, width)
-    lengths = np.asarray(lengths)
-    if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > width:
-        raise ValueError(f"lengths={lengths.tolist()}: expected {batch} values in [1, {width}]")
-    return lengths

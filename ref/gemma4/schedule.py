@@ -66,3 +66,14 @@ def chunk_arrays(rows, schedule, k, batch, width):
             s, e = bounds[k]
             ids[i, : e - s], pos[i, : e - s] = rows[i][s:e], np.arange(s, e)
     return ids, pos
+
+
+def prompt_lengths(lengths, batch, width):
+    """Each row's prompt length of right-padded rows [batch, width]: `lengths` checked, or
+    width for every row (None) → [batch] ints."""
+    if lengths is None:
+        return np.full(batch, width)
+    lengths = np.asarray(lengths)
+    if lengths.shape != (batch,) or lengths.min() < 1 or lengths.max() > width:
+        raise ValueError(f"lengths={lengths.tolist()}: expected {batch} values in [1, {width}]")
+    return lengths

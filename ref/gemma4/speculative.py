@@ -162,8 +162,8 @@ def device_round(params, lm_head, drafter, cache, ids, positions, batch_index=No
 def drafts_for(assistant, count, sampling, target):
     """The drafts a round proposes: 0 without an assistant; else `count`, or the assistant's
     generation_config `num_assistant_tokens`, or `DEFAULT_DRAFTS`; ValueError for what cannot
-    speculate here (sampling, a step function of the caller's, an assistant made for another
-    target)."""
+    speculate here (sampling, suppressed ids, a step function of the caller's, an assistant made
+    for another target)."""
     if assistant is None:
         if count is not None:
             raise ValueError(f"num_speculative_tokens={count!r} given without an assistant")
@@ -174,6 +174,11 @@ def drafts_for(assistant, count, sampling, target):
         raise ValueError(f"num_speculative_tokens={count!r}: expected an int >= 1")
     if sampling is not None:
         raise ValueError("speculative decoding is greedy here: sampling given with an assistant")
+    if target.suppress:
+        raise ValueError(
+            f"suppressed ids {target.suppress}: a round accepts the target's argmax, which does "
+            "not suppress them; generate without assistant"
+        )
     if target.step_fn is not None:
         raise ValueError("speculative decoding runs the model's own step: with_step was used")
     check_pair(target.config, assistant.config)

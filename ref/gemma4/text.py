@@ -76,6 +76,17 @@ def embedding_ids(input_ids, placeholder, pad_token_id):
     return jnp.where(placeholder, pad_token_id, input_ids)
 
 
+def within_stream(is_image, vision_size, image_idx):
+    """Which placeholders have a soft token left: is_image [B, S] bool (valid placeholders),
+    vision_size V, image_idx [B, 1] row b's next unread soft token → [B, S] bool, the
+    placeholders whose soft token index (image_idx + those before it) is < V. A placeholder
+    past the stream takes none and opens no vision run: it is text, as in a decode step (a
+    language program's decode specialization feeds image_idx = V, so a generated image id is
+    embedded as transformers embeds it)."""
+    index = jnp.cumsum(is_image.astype(jnp.int32), axis=1) - 1 + image_idx
+    return is_image & (index < vision_size)
+
+
 def merge_vision(embeds, is_image, vision_embeds, image_idx):
     """Put each row's next soft tokens where its placeholders are.
 
@@ -287,8 +298,9 @@ class TextModel(nn.Module):
         image_idx_out = None
         if vision_embeds is not None:
             valid = positions >= 0
-            x, image_idx_out = merge_vision(x, placeholder & valid, vision_embeds, image_idx)
-            is_vision = vision & valid
+            left = within_stream(placeholder & valid, vision_embeds.shape[1], image_idx)
+            x, image_idx_out = merge_vision(x, left, vision_embeds, image_idx)
+            is_vision = vision & left
         per_layer = self._per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
 
         groups = vision_runs(is_vision, positions, cache.get("group"))
