@@ -36,6 +36,13 @@ def kv_element_bytes(kv_dtype):
     return KV_BYTES[kv_dtype]
 
 
+def matching(specializations, feed):
+    """The name of the specialization ({name: {input: shape}}) whose input shapes `feed` has
+    exactly, else None."""
+    given = {n: tuple(np.shape(x)) for n, x in feed.items()}
+    return next((name for name, shapes in specializations.items() if shapes == given), None)
+
+
 @dataclasses.dataclass
 class Transfers:
     """Bytes across PCIe: `moved[(call, direction, what)]`, direction "in" (host → device) or
@@ -94,10 +101,10 @@ class Program:
     def specialization(self, feed):
         """The name of the specialization whose input shapes `feed` has exactly; RunError
         naming every shape the program has otherwise."""
+        name = matching(self.specializations, feed)
+        if name is not None:
+            return name
         given = {n: tuple(np.shape(x)) for n, x in feed.items()}
-        for name, shapes in self.specializations.items():
-            if given == shapes:
-                return name
         have = "; ".join(f"{n}: {shapes}" for n, shapes in self.specializations.items())
         raise RunError(f"program {self.name}: no specialization takes {given}; it has {have}")
 
@@ -163,11 +170,11 @@ class ShapeOnly:
 
     def run(self, _, feed):
         """[zeros] in output order at the specialization whose input shapes `feed` has."""
-        given = {n: tuple(np.shape(x)) for n, x in feed.items()}
-        for s in self.entry.specializations:
-            if self.entry.shapes(s["name"]) == given:
-                dtypes = {"int32": np.int32, "int64": np.int64}
-                return [np.broadcast_to(dtypes.get(t.dtype, np.float32)(0),
-                                        tuple(t.shapes[s["name"]]))
-                        for t in self.entry.outputs]  # fmt: skip
-        raise RunError(f"graph {self.entry.name}: no specialization takes {given}")
+        shapes = {s["name"]: self.entry.shapes(s["name"]) for s in self.entry.specializations}
+        name = matching(shapes, feed)
+        if name is None:
+            given = {n: tuple(np.shape(x)) for n, x in feed.items()}
+            raise RunError(f"graph {self.entry.name}: no specialization takes {given}")
+        dtypes = {"int32": np.int32, "int64": np.int64}
+        return [np.broadcast_to(dtypes.get(t.dtype, np.float32)(0), tuple(t.shapes[name]))
+                for t in self.entry.outputs]  # fmt: skip
