@@ -265,10 +265,11 @@ def write_plans(folder, precision, *, kv_dtype=None, seed=0, check_shards=True, 
         calls = calibration.recorded_feeds(export, prompts, log=log)
     plans = []
     for entry, spec, model in chosen:
+        recorded = None if calls is None else _recorded(calls, entry.kind)
         if calls is None:
             feeds = ((s["name"], feed) for s, feed in sample_feeds(spec, seed, kv))
-        elif _recorded(calls, entry.kind):
-            feeds = ((label, stored_feed(spec, f, kv)) for label, f in _recorded(calls, entry.kind))
+        elif recorded:
+            feeds = ((label, stored_feed(spec, f, kv)) for label, f in recorded)
         else:
             raise PlanError(f"{spec.name}: no request in {prompts} calls this graph (the vision "
                             "graph needs a request with an image or a video, the audio graph "

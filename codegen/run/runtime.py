@@ -123,10 +123,10 @@ class Runner:
         self.ccl_steps = []  # (kind, the length fed) per call of a graph with lengths
         # the checkpoint's generation_config.json (copied into the export), else config.json
         self.generation_config = generation_config(self.folder)
-        self.stop = decoding.stop_ids(self.generation_config, self.checkpoint.config)
-        self.pad = decoding.pad_id(self.generation_config, self.checkpoint.config)
-        # ids never chosen (generation_config's suppress_tokens, begin_suppress_tokens)
-        self.suppress = decoding.Suppress.from_generation_config(self.generation_config)
+        # its stop ids, pad id and the ids never chosen (suppress_tokens, begin_suppress_tokens)
+        self.stop, self.pad, self.suppress = decoding.generation_ids(
+            self.generation_config, self.checkpoint.config
+        )
 
     def generate(
         self, prompts, images=(), *, audios=(), max_new_tokens, log=None, stop=None,

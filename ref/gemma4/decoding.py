@@ -122,6 +122,14 @@ def pad_id(generation_config=None, config=None):
     return 0
 
 
+def generation_ids(generation_config=None, config=None):
+    """(stop ids, pad id, `Suppress`) of a checkpoint: its generation_config.json and
+    config.json dicts (or None), as `stop_ids`, `pad_id` and `Suppress` read them."""
+    stop = stop_ids(generation_config, config)
+    pad = pad_id(generation_config, config)
+    return stop, pad, Suppress.from_generation_config(generation_config)
+
+
 def warp(logits, sampling):
     """transformers' temperature, top-k and top-p warpers on one row: [V] → [V] float64, −inf
     where a token cannot be drawn."""

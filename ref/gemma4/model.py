@@ -150,10 +150,8 @@ class Gemma4:
             audio = AudioTower.from_params(hf_config, params, dtype, mesh)
         lm_head = params.get("lm_head", {}).get("weight")
         config = TextConfig.from_hf(hf_config)
-        stop = decoding.stop_ids(generation_config, hf_config)
-        pad = decoding.pad_id(generation_config, hf_config)
+        stop, pad, suppress = decoding.generation_ids(generation_config, hf_config)
         tokens = prompt_tokens(hf_config)
-        suppress = decoding.Suppress.from_generation_config(generation_config)
         return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio, suppress)
 
     @classmethod

@@ -134,11 +134,9 @@ class Gemma4Unified(Gemma4):
                 )
             parts.append(None if part is None else kind(part, found, dtype, mesh))
         lm_head = params.get("lm_head", {}).get("weight")
-        stop = decoding.stop_ids(generation_config, hf_config)
-        pad = decoding.pad_id(generation_config, hf_config)
+        stop, pad, suppress = decoding.generation_ids(generation_config, hf_config)
         tokens = prompt_tokens(hf_config)
         vision, audio = parts
-        suppress = decoding.Suppress.from_generation_config(generation_config)
         return cls(config, text, lm_head, vision, dtype, tokens, mesh, stop, pad, audio, suppress)
 
     @classmethod
